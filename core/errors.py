@@ -1,0 +1,45 @@
+"""Errors raised by the core.
+
+Every error carries the file it concerns (``path``) and a one-line message, so the command
+line can print ``shardscope: <path>: <message>`` and exit without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class ShardscopeError(Exception):
+    """Base class. ``exit_code`` is what the command line exits with (3: bad checkpoint)."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class BadCheckpointError(ShardscopeError):
+    """The input cannot be read as a checkpoint (unknown format, corrupt or inconsistent files)."""
+
+
+class UnsafeCheckpointError(BadCheckpointError):
+    """A pickle names a global outside the known tensor records (it could run code on load)."""
+
+
+class UsageError(ShardscopeError):
+    """The user asked for something impossible (exit code 2)."""
+
+    exit_code = 2
+
+
+class OutputExistsError(UsageError):
+    """The output folder exists and ``overwrite`` was not given."""
+
+
+class MergeCancelled(ShardscopeError):
+    """The merge was cancelled through its ``threading.Event``; nothing was left at the output."""
+
+    exit_code = 130

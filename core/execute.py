@@ -1,0 +1,362 @@
+"""Execute a :class:`MergePlan`: move the bytes into safetensors files, streaming.
+
+This module is the product, so it is our own code rather than ``safetensors.torch.save_file``
+(which needs every tensor of a file in memory at once): the header of each output file is
+computed from the plan, then every tensor is written at its known offset with ``os.pwrite``
+or, when its pieces are stored rows of the output in the same dtype, copied by the kernel with
+``os.copy_file_range`` (no pass through user space). Memory is bounded by the tensors in
+flight (at most ``workers`` of them), never the model. Knows bytes, nothing about formats.
+
+Output is written to a hidden temporary folder beside the target and renamed into place only
+when complete; cancel (a ``threading.Event``), an error or Ctrl-C removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .dtypes import ITEMSIZE
+from .errors import BadCheckpointError, MergeCancelled
+from .layout import Piece
+from .plan import MergePlan, OutputTensor, check_output
+
+TMP_MARK = ".shardscope-tmp-"
+COPY_CHUNK = 64 * 1024 * 1024  # bytes per pread/pwrite or copy_file_range call
+
+
+@dataclass(frozen=True)
+class MergeProgress:
+    """A progress report, passed to ``on_progress`` from worker threads.
+
+    ``bytes_written``/``bytes_total``: output tensor bytes so far / in all. ``source``: the
+    source file just read from, with ``source_read``/``source_total`` bytes of it.
+    ``tensor``: the tensor just finished (or ``""``), ``output_file``: the file it went to.
+    """
+
+    bytes_written: int
+    bytes_total: int
+    tensors_done: int
+    tensors_total: int
+    source: str = ""
+    source_read: int = 0
+    source_total: int = 0
+    tensor: str = ""
+    output_file: str = ""
+
+
+@dataclass
+class MergeResult:
+    """What a finished merge wrote: output folder, (file name, bytes) pairs, tensor bytes,
+    wall time in seconds, and warnings."""
+
+    output: str
+    files: list[tuple[str, int]]
+    tensor_bytes: int
+    seconds: float
+    tensors: int
+    warnings: list[str] = field(default_factory=list)
+
+
+def temp_dir_for(out: Path) -> Path:
+    return out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
+
+
+def stale_temp_dirs(out: Path) -> list[Path]:
+    """Temporary folders beside ``out`` left by merges whose process is gone (killed)."""
+    found = []
+    if not out.parent.is_dir():
+        return found
+    prefix = f".{out.name}{TMP_MARK}"
+    for p in out.parent.iterdir():
+        if p.name.startswith(prefix):
+            try:
+                pid = int(p.name[len(prefix):])
+            except ValueError:
+                continue
+            if pid != os.getpid() and not _alive(pid):
+                found.append(p)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def safetensors_header(tensors: list[OutputTensor]) -> bytes:
+    """The header of a safetensors file holding ``tensors`` in order: 8-byte length, JSON
+    (with ``__metadata__: {"format": "pt"}`` as transformers writes it), padded with spaces to
+    a multiple of 8 bytes so the data is aligned."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                          "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+class _Sources:
+    """Open source files, shared by the worker threads (positional reads only)."""
+
+    def __init__(self):
+        self.fds: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def fd(self, path: str) -> int:
+        with self.lock:
+            fd = self.fds.get(path)
+            if fd is None:
+                try:
+                    fd = self.fds[path] = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise BadCheckpointError(f"cannot open: {e.strerror}", path) from None
+            return fd
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = os.preadv(fd, [view[got:got + COPY_CHUNK]], offset + got)
+        if k <= 0:
+            raise BadCheckpointError(f"short read at byte {offset + got}: the file changed or is "
+                                     "truncated", path)
+        got += k
+    return buf
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + COPY_CHUNK], offset + done)
+
+
+def _copy_range(src: int, dst: int, n: int, src_off: int, dst_off: int, path: str) -> None:
+    """Copy ``n`` bytes between files at the given offsets, in the kernel where it can."""
+    done = 0
+    while done < n:
+        k = min(COPY_CHUNK, n - done)
+        try:
+            c = os.copy_file_range(src, dst, k, src_off + done, dst_off + done)
+        except OSError:
+            c = -1
+        if c <= 0:  # not supported here (or EOF): fall back to read + write
+            _pwrite_all(dst, _pread_exact(src, k, src_off + done, path), dst_off + done)
+            c = k
+        done += c
+
+
+def _span(p: Piece) -> int:
+    """Elements from the piece's first to its last element in storage (its strided extent)."""
+    if p.numel == 0:
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(p.shape, p.stride))
+
+
+def _piece_tensor(p: Piece, src: _Sources):
+    """The piece as a torch tensor (reads its bytes)."""
+    import warnings
+
+    import torch
+
+    from .dtypes import torch_dtype
+
+    n = _span(p)
+    buf = _pread_exact(src.fd(p.file), n * ITEMSIZE[p.dtype], p.byte_offset, p.file)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flat = torch.frombuffer(buf, dtype=torch_dtype(p.dtype), count=n)
+    return flat.as_strided(p.shape, p.stride)
+
+
+def _row_blocks(t: OutputTensor) -> bool:
+    """True when the pieces are whole rows (every dim but the first complete) that follow each
+    other: then the output bytes are the pieces' bytes in order."""
+    pos = 0
+    for p in t.pieces:
+        if tuple(p.shape[1:]) != tuple(t.shape[1:]) or any(p.global_offsets[1:]):
+            return False
+        if p.global_offsets[:1] and p.global_offsets[0] != pos:
+            return False
+        pos += p.shape[0] if p.shape else 1
+    return pos == (t.shape[0] if t.shape else 1)
+
+
+class _Writer:
+    def __init__(self, plan: MergePlan, on_progress, cancel: threading.Event, log):
+        self.plan, self.on_progress, self.cancel, self.log = plan, on_progress, cancel, log
+        self.src = _Sources()
+        self.lock = threading.Lock()
+        self.written = 0
+        self.done = 0
+        self.read: dict[str, int] = {}
+        self.total = plan.total_bytes
+        self.count = plan.tensor_count
+
+    def _report(self, piece: Piece | None, nbytes: int, tensor: str = "", ofile: str = ""):
+        with self.lock:
+            self.written += nbytes
+            if tensor:
+                self.done += 1
+            src = piece.file if piece else ""
+            if piece:
+                self.read[src] = self.read.get(src, 0) + piece.nbytes
+            ev = MergeProgress(self.written, self.total, self.done, self.count, src,
+                               self.read.get(src, 0), self.plan.source_bytes.get(src, 0),
+                               tensor, ofile)
+        if self.on_progress:
+            self.on_progress(ev)
+
+    def write_tensor(self, t: OutputTensor, dst: int, offset: int, ofile: str) -> None:
+        if self.cancel.is_set():
+            raise MergeCancelled("merge cancelled")
+        import torch
+
+        from .dtypes import torch_dtype
+
+        if _row_blocks(t):
+            pos = offset
+            for p in t.pieces:
+                if self.cancel.is_set():
+                    raise MergeCancelled("merge cancelled")
+                out_bytes = p.numel * ITEMSIZE[t.dtype]
+                if p.dtype == t.dtype and p.contiguous:
+                    _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
+                else:
+                    x = _piece_tensor(p, self.src).to(torch_dtype(t.dtype)).contiguous()
+                    _pwrite_all(dst, x.reshape(-1).view(torch.uint8).numpy(), pos)
+                pos += out_bytes
+                self._report(p, out_bytes)
+        else:
+            full = torch.empty(t.shape, dtype=torch_dtype(t.source.dtype))
+            for p in t.pieces:
+                if self.cancel.is_set():
+                    raise MergeCancelled("merge cancelled")
+                idx = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.shape))
+                full[idx].copy_(_piece_tensor(p, self.src))
+                self._report(p, 0)
+            full = full.to(torch_dtype(t.dtype)).contiguous()
+            _pwrite_all(dst, full.reshape(-1).view(torch.uint8).numpy(), offset)
+            self._report(None, t.nbytes)
+        self._report(None, 0, t.name, ofile)
+        if self.log:
+            self.log(f"wrote {t.name} {list(t.shape)} {t.dtype} ({len(t.pieces)} pieces) "
+                     f"to {ofile}")
+
+
+def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | None = None,
+              cancel: threading.Event | None = None,
+              log: Callable[[str], None] | None = None) -> MergeResult:
+    """Write the planned Hugging Face folder.
+
+    ``on_progress`` is called from worker threads (make it thread-safe); ``cancel`` is checked
+    between tensors and pieces; ``log`` receives one line per step (for ``--verbose``).
+    Raises :class:`MergeCancelled` when cancelled, :class:`BadCheckpointError` on a read
+    failure, :class:`OutputExistsError` when the output appeared meanwhile; in every case the
+    temporary folder is removed and nothing is left at the output.
+    """
+    cancel = cancel or threading.Event()
+    opts = plan.options
+    out = Path(opts.output)
+    check_output(out, opts.overwrite)
+    for stale in stale_temp_dirs(out):
+        shutil.rmtree(stale, ignore_errors=True)
+        plan.warnings.append(f"removed {stale}, left by an interrupted merge")
+    tmp = temp_dir_for(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    w = _Writer(plan, on_progress, cancel, log)
+    try:
+        written = []
+        with ThreadPoolExecutor(max(1, opts.workers), thread_name_prefix="shardscope") as pool:
+            for of in plan.files:
+                fpath = tmp / of.name
+                header = safetensors_header(of.tensors)
+                fd = os.open(fpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    os.write(fd, header)
+                    os.ftruncate(fd, len(header) + of.nbytes)
+                    pos = len(header)
+                    futures = []
+                    for t in of.tensors:
+                        futures.append(pool.submit(w.write_tensor, t, fd, pos, of.name))
+                        pos += t.nbytes
+                        # bound memory: at most ~2 tensors per worker in flight
+                        if len(futures) >= 2 * max(1, opts.workers):
+                            _drain(futures, cancel, keep=max(1, opts.workers))
+                    _drain(futures, cancel, keep=0)
+                finally:
+                    os.close(fd)
+                written.append((of.name, len(header) + of.nbytes))
+                if log:
+                    log(f"closed {of.name} ({len(header) + of.nbytes} bytes)")
+        if plan.index is not None:
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps(plan.index, indent=2) + "\n")
+        for src, rel in plan.copy_files:
+            dst = tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+            if log:
+                log(f"copied {rel}")
+        if cancel.is_set():
+            raise MergeCancelled("merge cancelled")
+        _move_into_place(tmp, out, opts.overwrite)
+    except BaseException:
+        cancel.set()  # stop workers still running
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        w.src.close()
+    return MergeResult(str(out), written, plan.total_bytes, time.perf_counter() - t0,
+                       plan.tensor_count, list(plan.warnings))
+
+
+def _drain(futures: list, cancel: threading.Event, keep: int) -> None:
+    """Wait until at most ``keep`` futures are pending; re-raise the first failure."""
+    while len(futures) > keep:
+        done, _ = wait(futures[: len(futures) - keep], return_when=FIRST_EXCEPTION)
+        for f in done:
+            exc = f.exception()
+            if exc is not None:
+                cancel.set()
+                raise exc
+        futures[:] = [f for f in futures if f not in done]
+
+
+def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    if out.exists():
+        check_output(out, overwrite)
+        trash = out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
+        os.rename(out, trash)
+        os.rename(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, out)

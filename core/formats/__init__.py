@@ -1,0 +1,37 @@
+"""One reader per on-disk format. Each module offers ``sniff(path) -> bool`` and
+``read(path) -> CheckpointLayout``; :func:`detect` picks the first that recognises the path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import BadCheckpointError
+from ..layout import CheckpointLayout
+
+
+def _readers():
+    from . import dcp, dcp_hf, fsdp, hf
+
+    # order matters: a DCP or FSDP folder may also hold a stray model.safetensors
+    return [("dcp", dcp), ("fsdp", fsdp), ("dcp-hf", dcp_hf), ("hf", hf)]
+
+
+def detect(path: str | os.PathLike) -> CheckpointLayout:
+    """Detect the format of ``path`` from its files alone and read its layout (metadata only).
+
+    ``path`` may be a checkpoint folder or one file inside it. Raises
+    :class:`BadCheckpointError` when the path does not exist or no reader recognises it;
+    problems with a recognised checkpoint are in ``layout.problems`` instead.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise BadCheckpointError("no such file or folder", str(p))
+    if p.is_file():
+        p = p.parent
+    for _, mod in _readers():
+        if mod.sniff(str(p)):
+            return mod.read(str(p))
+    raise BadCheckpointError(
+        "not a checkpoint shardscope knows (looked for .metadata, model_world_size_*_rank_*.pt, "
+        "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors)", str(p))

@@ -1,0 +1,212 @@
+"""PyTorch Distributed Checkpoint (DCP) folders: ``.metadata`` + ``__{rank}_{i}.distcp``.
+
+Format facts (torch/distributed/checkpoint/{metadata,filesystem}.py; checked on folders written
+by ``torch.distributed.checkpoint.save`` under torch 2.13): ``.metadata`` is a pickle of
+``Metadata(state_dict_metadata, planner_data, storage_data, storage_meta, version)``;
+``state_dict_metadata`` maps each flattened key to ``TensorStorageMetadata(properties, size,
+chunks=[ChunkStorageMetadata(offsets, sizes)])`` or ``BytesStorageMetadata``; ``storage_data``
+maps ``MetadataIndex(fqn, offset, index)`` to ``_StorageInfo(relative_path, offset, length,
+transform_descriptors)``; each tensor chunk is a complete ``torch.save`` archive embedded at
+that byte range of the ``.distcp`` file. ``planner_data`` maps each key to its nesting path.
+
+Why not ``FileSystemReader.read_metadata``: it unpickles ``.metadata`` without restriction
+(untrusted input) and needs a torch import; the restricted reader gives the same records.
+Accelerate nests the model under ``model`` (``pytorch_model_fsdp_0/``); torchtitan keeps flat
+model keys beside ``train_state``, ``optimizer`` ..., which are not model weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import BadCheckpointError
+from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
+from .common import attach_config, clean_key, problem_for, stat_file
+from .torchsave import DType, Record, RestrictedUnpickler, read_torch_archive
+
+#: top-level entries of a training checkpoint that are not model weights
+NON_MODEL_KEYS = ("optimizer", "optim", "train_state", "lr_scheduler", "lr_schedulers",
+                  "dataloader", "rng", "rng_state", "extra_state", "scheduler")
+
+#: folder names accelerate gives a DCP model checkpoint
+ACCELERATE_DIRS = ("pytorch_model_fsdp_0", "model")
+
+
+def find_dcp_dir(path: str) -> Path | None:
+    """The folder holding ``.metadata``: ``path`` itself or accelerate's subfolder."""
+    p = Path(path)
+    if (p / ".metadata").is_file():
+        return p
+    for name in ACCELERATE_DIRS:
+        if (p / name / ".metadata").is_file():
+            return p / name
+    return None
+
+
+def sniff(path: str) -> bool:
+    """True when ``path`` (or accelerate's ``pytorch_model_fsdp_0/`` in it) is a DCP folder."""
+    return find_dcp_dir(path) is not None
+
+
+def load_metadata(meta_path: Path) -> Record:
+    """The ``Metadata`` record of a ``.metadata`` file. Raises BadCheckpointError."""
+    try:
+        with open(meta_path, "rb") as f:
+            m = RestrictedUnpickler(f, str(meta_path), {}).load()
+    except BadCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise BadCheckpointError(f"corrupt DCP metadata ({type(e).__name__}: {e})",
+                                 str(meta_path)) from None
+    if not isinstance(m, Record) or m.name != "Metadata":
+        raise BadCheckpointError("not a DCP Metadata pickle", str(meta_path))
+    return m
+
+
+def model_keys(keys: list[str], planner_data: dict) -> dict[str, str]:
+    """Map checkpoint keys to model tensor names. When the state is nested under ``model``
+    (accelerate), keep those keys and drop the prefix; otherwise drop the known non-model
+    entries (``train_state``, ``optimizer``, ...)."""
+    # planner_data keeps the dict nesting: a flat key "model.embed_tokens.weight" has the
+    # one-element path ("model.embed_tokens.weight",); accelerate's nested one ("model", ...).
+    paths = {k: tuple(planner_data.get(k) or (k,)) for k in keys}
+    out = {}
+    if any(len(p) > 1 and p[0] == "model" for p in paths.values()):
+        for k, p in paths.items():
+            if len(p) > 1 and p[0] == "model":
+                out[k] = clean_key(".".join(map(str, p[1:])))
+        return out
+    for k, p in paths.items():
+        if str(p[0]) in NON_MODEL_KEYS or k.split(".", 1)[0] in NON_MODEL_KEYS:
+            continue
+        out[k] = clean_key(k)
+    return out
+
+
+def read(path: str) -> CheckpointLayout:
+    """Read a DCP folder's layout from ``.metadata`` alone (the chunks' byte locations inside
+    the ``.distcp`` files are resolved later, by :func:`resolve_piece`).
+
+    Problems: a ``.distcp`` that is missing (``missing-file``) or shorter than a chunk it holds
+    (``truncated-file``); chunks that do not tile a tensor. Raises BadCheckpointError when
+    ``.metadata`` is unreadable.
+    """
+    d = find_dcp_dir(path)
+    if d is None:
+        raise BadCheckpointError("no .metadata file: not a DCP folder", path)
+    meta_path = d / ".metadata"
+    m = load_metadata(meta_path)
+    sdm = m.get("state_dict_metadata") or {}
+    storage = m.get("storage_data") or {}
+    planner = m.get("planner_data") or {}
+    layout = CheckpointLayout(format="dcp", path=str(path), world_size=0)
+    layout.resolve_piece = resolve_piece
+    tensor_keys = [k for k, v in sdm.items() if isinstance(v, Record)
+                   and v.name == "TensorStorageMetadata"]
+    names = model_keys(tensor_keys, planner)
+    skipped = len(sdm) - len(names)
+    # (fqn, offsets) -> storage info
+    where: dict[tuple[str, tuple], Record] = {}
+    for idx, info in storage.items():
+        if isinstance(idx, Record):
+            where[(idx.get("fqn"), tuple(idx.get("offset") or ()))] = info
+    files: dict[str, int] = {}
+    sizes: dict[str, int | None] = {}
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".distcp"):
+            sizes[name] = os.stat(d / name).st_size
+    for key, name in names.items():
+        tm = sdm[key]
+        props = tm.get("properties")
+        dtype = "F32"
+        if isinstance(props, Record):
+            st = props.state
+            dt = st[0] if isinstance(st, tuple) else props.get("dtype")
+            dtype = dt.name if isinstance(dt, DType) else dtype
+        t = TensorInfo(name, tuple(tm.get("size")), dtype,
+                       "DCP chunks" if len(tm.get("chunks") or ()) > 1 else "DCP")
+        for ch in tm.get("chunks") or ():
+            offsets, csize = tuple(ch.get("offsets")), tuple(ch.get("sizes"))
+            info = where.get((key, offsets))
+            if info is None:
+                layout.problems.append(Problem("missing-chunk", f"{name}: no storage entry for "
+                                               f"the chunk at {offsets}", str(meta_path)))
+                continue
+            rel = info.get("relative_path")
+            fpath = str(d / rel)
+            rank = _rank_of(rel)
+            start, length = int(info.get("offset")), int(info.get("length"))
+            files[rel] = max(files.get(rel, 0), start + length)
+            if info.get("transform_descriptors"):
+                layout.problems.append(Problem(
+                    "unsupported-transform", f"{name}: chunk stored with transforms "
+                    f"{info.get('transform_descriptors')}", fpath))
+            # byte_offset -1: an embedded torch.save archive at [start, start+length),
+            # resolved by resolve_piece; stride left empty until then.
+            t.pieces.append(Piece(fpath, -1, dtype, csize, (start, length), offsets, rank))
+        layout.tensors[name] = t
+    for rel, need in sorted(files.items()):
+        fpath = str(d / rel)
+        sf = stat_file(fpath, _rank_of(rel))
+        layout.files.append(sf)
+        if sf.status == "missing":
+            layout.problems.append(Problem("missing-file", f".metadata names {rel}, which is "
+                                           "missing", fpath))
+        elif sf.bytes < need:
+            sf.status = "unreadable"
+            layout.problems.append(Problem("truncated-file", f"{rel} is {sf.bytes} bytes, "
+                                           f".metadata needs {need}: truncated", fpath))
+    for rel in sizes:
+        if rel not in files:
+            layout.problems.append(Problem("extra-file", f"{rel} is not named by .metadata",
+                                           str(d / rel), "warning"))
+    ranks = {f.rank for f in layout.files if f.rank is not None}
+    layout.world_size = max(ranks) + 1 if ranks else 1
+    layout.parallel = {"fsdp": layout.world_size} if layout.world_size > 1 else {}
+    if skipped:
+        layout.notes.append(f"{skipped} non-model or non-tensor entries skipped")
+    if not layout.problems:
+        for t in layout.tensors.values():
+            layout.problems.extend(coverage_problems(t))
+    cfg = _config_dir(Path(path), d)
+    attach_config(layout, cfg)
+    return layout
+
+
+def _config_dir(path: Path, d: Path) -> Path | None:
+    for c in (path / "huggingface", d / "huggingface", path):
+        if (c / "config.json").is_file():
+            return c
+    return None
+
+
+def _rank_of(rel: str) -> int | None:
+    """``__{rank}_{i}.distcp`` -> rank (the writer's rank, per FileSystemWriter's naming)."""
+    stem = rel.rsplit("/", 1)[-1]
+    if stem.startswith("__"):
+        try:
+            return int(stem[2:].split("_", 1)[0])
+        except ValueError:
+            return None
+    return None
+
+
+def resolve_piece(p: Piece) -> Piece:
+    """Locate a DCP chunk's tensor bytes inside its embedded ``torch.save`` archive.
+    Raises BadCheckpointError when the chunk is unreadable or does not hold the shape the
+    metadata gives."""
+    if p.byte_offset >= 0:
+        return p
+    start, length = p.stride
+    arch = read_torch_archive(p.file, base=start, length=length)
+    ref = arch.root
+    if not hasattr(ref, "storage"):
+        raise BadCheckpointError(f"chunk at byte {start} is not a tensor", p.file)
+    if tuple(ref.shape) != p.shape or ref.dtype != p.dtype:
+        raise BadCheckpointError(f"chunk at byte {start} holds {ref.shape} {ref.dtype}, "
+                                 f".metadata says {p.shape} {p.dtype}", p.file)
+    if not ref.fits_storage():
+        raise BadCheckpointError(f"chunk at byte {start}: view outside its storage", p.file)
+    return Piece(p.file, ref.byte_offset, p.dtype, p.shape, ref.stride, p.global_offsets,
+                 p.rank, p.coord)

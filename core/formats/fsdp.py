@@ -1,0 +1,349 @@
+"""Per-rank FSDP checkpoint files: verl's ``model_world_size_{W}_rank_{r}.pt`` layout and
+accelerate's ``pytorch_model_fsdp_{i}_rank{r}.bin``.
+
+Format facts (FORMATS.md; checked on files written by torch 2.13 with gloo): each file is a
+``torch.save`` of one rank's ``model.state_dict()``. Values are DTensors under FSDP2 (their spec
+records the device mesh, its dimension names, this rank's mesh coordinate, the placements and
+the global shape), ShardedTensors under FSDP1 ``SHARDED_STATE_DICT`` (each records every rank's
+``shard_offsets``/``shard_sizes``), or plain tensors (a world size of 1, or buffers, which are
+saved full-size on every rank and must be taken once). ``fsdp_config.json`` holds
+``{"FSDP_version", "world_size"}``; ``huggingface/`` the config and tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from ..errors import BadCheckpointError
+from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
+from .common import attach_config, clean_key, problem_for, stat_file
+from .torchsave import DType, Record, TensorRef, read_torch_archive
+
+VERL_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+ACCELERATE_RE = re.compile(r"^pytorch_model_fsdp_(\d+)_rank(\d+)\.bin$")
+
+
+def _rank_files(path: Path) -> tuple[str, dict[int, dict[int, str]]]:
+    """The rank files in ``path``: (kind, {world size or model index: {rank: file}})."""
+    verl: dict[int, dict[int, str]] = {}
+    acc: dict[int, dict[int, str]] = {}
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return "", {}
+    for n in names:
+        if m := VERL_RE.match(n):
+            verl.setdefault(int(m[1]), {})[int(m[2])] = str(path / n)
+        elif m := ACCELERATE_RE.match(n):
+            acc.setdefault(int(m[1]), {})[int(m[2])] = str(path / n)
+    if verl:
+        return "verl", verl
+    if acc:
+        return "accelerate", acc
+    return "", {}
+
+
+def sniff(path: str) -> bool:
+    """True when ``path`` is a folder holding per-rank FSDP model files."""
+    p = Path(path)
+    return p.is_dir() and bool(_rank_files(p)[1])
+
+
+def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple[int, ...] | None]:
+    """(mesh shape, dimension names, this rank's coordinate) from a pickled DeviceMesh.
+    torch 2.13 keeps the shape in ``_layout.axes`` (one ``_FlatLayout`` per dim) and the
+    coordinate in ``_coordinate_on_dim``; older releases keep a ``mesh`` tensor."""
+    names = mesh.get("_mesh_dim_names")
+    names = tuple(names) if names else None
+    coord = mesh.get("_coordinate_on_dim")
+    coord = tuple(coord) if coord is not None else None
+    layout = mesh.get("_layout")
+    shape: tuple[int, ...] = ()
+    if isinstance(layout, Record) and layout.get("axes"):
+        dims = []
+        for ax in layout.get("axes"):
+            s = ax.get("shape") if isinstance(ax, Record) else None
+            dims.append(math.prod(_flatten(s)) if s is not None else 0)
+        shape = tuple(dims)
+    elif isinstance(mesh.get("mesh"), TensorRef):
+        shape = mesh.get("mesh").shape
+    elif isinstance(mesh.get("_rank_map"), TensorRef):
+        shape = mesh.get("_rank_map").shape
+    return shape, names, coord
+
+
+def _flatten(x):
+    if isinstance(x, (tuple, list)):
+        for i in x:
+            yield from _flatten(i)
+    else:
+        yield x
+
+
+def _placement_str(p: Record) -> str:
+    if p.name == "Shard" or p.name == "_StridedShard":
+        return f"{p.name.lstrip('_')}({p.get('dim')})"
+    return f"{p.name}()"
+
+
+def local_box(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+              placements: list[Record]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local shape) of the shard held at mesh coordinate ``coord``.
+
+    DTensor's even-chunk rule (torch ``compute_local_shape_and_global_offset``, default shard
+    order): mesh dims in order; ``Shard(d)`` over ``n`` ranks gives each ``ceil(size/n)``
+    elements of dim ``d``, the last ones fewer or none. Raises ValueError for placements
+    other than ``Shard``/``Replicate`` (``_StridedShard``, ``Partial``).
+    """
+    offsets = [0] * len(global_shape)
+    sizes = list(global_shape)
+    for i, p in enumerate(placements):
+        if p.name == "Replicate":
+            continue
+        if p.name != "Shard":
+            raise ValueError(f"placement {_placement_str(p)} is not supported yet")
+        d = p.get("dim")
+        d = d + len(global_shape) if d < 0 else d
+        n, c = mesh_shape[i], coord[i]
+        chunk = -(-sizes[d] // n) if sizes[d] else 0
+        start = min(chunk * c, sizes[d])
+        offsets[d] += start
+        sizes[d] = max(0, min(chunk, sizes[d] - start))
+    return tuple(offsets), tuple(sizes)
+
+
+def _state(rec: Record) -> dict:
+    st = rec.state
+    if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):
+        return st[1]
+    return st if isinstance(st, dict) else {}
+
+
+class _Builder:
+    """Collects pieces of every tensor over the rank files."""
+
+    def __init__(self, layout: CheckpointLayout):
+        self.layout = layout
+        self.keys_by_rank: dict[int, set[str]] = {}
+        self.mesh: tuple[tuple[int, ...], tuple[str, ...] | None] | None = None
+        self.shard_dims_by_mesh_dim: dict[int, set[str]] = {}
+        self.skipped: set[str] = set()
+
+    def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
+        t = self.layout.tensors.get(name)
+        if t is None:
+            t = self.layout.tensors[name] = TensorInfo(name, tuple(shape), dtype, placement)
+        elif t.shape != tuple(shape) or t.dtype != dtype:
+            self.layout.problems.append(Problem(
+                "rank-disagreement", f"{name}: {tuple(shape)} {dtype} here, {t.shape} {t.dtype} "
+                "in an earlier rank file", path))
+        return t
+
+    def add(self, t: TensorInfo, piece: Piece) -> None:
+        if piece.numel == 0:
+            return
+        for q in t.pieces:  # replicas (HSDP, replicated buffers): keep the first copy
+            if q.global_offsets == piece.global_offsets and q.shape == piece.shape:
+                return
+        t.pieces.append(piece)
+
+    def add_rank(self, rank: int, path: str, root) -> None:
+        if not isinstance(root, dict):
+            raise BadCheckpointError("the pickle is not a state dict", path)
+        keys = set()
+        for key, value in root.items():
+            name = clean_key(str(key))
+            keys.add(name)
+            if isinstance(value, TensorRef):
+                self._plain(rank, path, name, value)
+            elif isinstance(value, Record) and value.name == "DTensor":
+                self._dtensor(rank, path, name, value)
+            elif isinstance(value, Record) and value.name == "ShardedTensor":
+                self._sharded(rank, path, name, value)
+            else:
+                keys.discard(name)
+                self.skipped.add(name)
+        self.keys_by_rank[rank] = keys
+
+    def _plain(self, rank, path, name, ref: TensorRef) -> None:
+        t = self.tensor(name, ref.shape, ref.dtype, "plain", path)
+        self._check_fits(name, ref, path)
+        self.add(t, Piece(path, ref.byte_offset, ref.dtype, ref.shape, ref.stride,
+                          (0,) * len(ref.shape), rank))
+
+    def _check_fits(self, name, ref: TensorRef, path) -> None:
+        if not ref.fits_storage():
+            raise BadCheckpointError(f"{name}: view {ref.shape} at {ref.storage_offset} lies "
+                                     "outside its storage", path)
+
+    def _dtensor(self, rank, path, name, rec: Record) -> None:
+        st = _state(rec)
+        local, spec = st.get("_local_tensor"), st.get("_spec")
+        if not isinstance(local, TensorRef) or not isinstance(spec, Record):
+            raise BadCheckpointError(f"{name}: DTensor without a local tensor or spec", path)
+        dtype = rec.args[0].name if rec.args and isinstance(rec.args[0], DType) else local.dtype
+        gshape = tuple(rec.args[1]) if len(rec.args) > 1 else None
+        meta = spec.get("tensor_meta")
+        if isinstance(meta, Record) and meta.args:
+            gshape = tuple(meta.args[0])
+        mesh_shape, names, coord = _mesh_info(spec.get("mesh"))
+        placements = list(spec.get("placements") or ())
+        pstr = ", ".join(_placement_str(p) for p in placements)
+        t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
+        if self.mesh is None:
+            self.mesh = (mesh_shape, names)
+        if coord is None:
+            coord = tuple(_unravel(rank, mesh_shape))
+        for i, p in enumerate(placements):
+            self.shard_dims_by_mesh_dim.setdefault(i, set()).add(p.name)
+        try:
+            offsets, shape = local_box(gshape, mesh_shape, coord, placements)
+        except ValueError as e:
+            self.layout.problems.append(Problem("unsupported-placement", f"{name}: {e}", path))
+            return
+        if shape != local.shape:
+            self.layout.problems.append(Problem(
+                "shape-mismatch", f"{name}: local shard is {local.shape}, its placement "
+                f"{pstr} on mesh {mesh_shape} at {coord} gives {shape}", path))
+            return
+        self._check_fits(name, local, path)
+        self.add(t, Piece(path, local.byte_offset, local.dtype, local.shape, local.stride,
+                          offsets, rank, coord))
+
+    def _sharded(self, rank, path, name, rec: Record) -> None:
+        st = rec.state
+        if not (isinstance(st, tuple) and len(st) >= 2):
+            raise BadCheckpointError(f"{name}: ShardedTensor without state", path)
+        local_shards, meta = st[0], st[1]
+        props = meta.get("tensor_properties")
+        dtype = None
+        if isinstance(props, Record) and isinstance(props.state, tuple) and props.state:
+            dtype = props.state[0].name if isinstance(props.state[0], DType) else None
+        if dtype is None:
+            dtype = rec.args[0].name if rec.args and isinstance(rec.args[0], DType) else "F32"
+        t = self.tensor(name, tuple(meta.get("size")), dtype, "ShardedTensor", path)
+        for shard in local_shards or ():
+            s = _state(shard)
+            md, ref = _state(s["metadata"]), s["tensor"]
+            offsets, sizes = tuple(md["shard_offsets"]), tuple(md["shard_sizes"])
+            if tuple(ref.shape) != sizes:
+                self.layout.problems.append(Problem(
+                    "shape-mismatch", f"{name}: local shard is {ref.shape}, metadata says "
+                    f"{sizes}", path))
+                continue
+            self._check_fits(name, ref, path)
+            self.add(t, Piece(path, ref.byte_offset, ref.dtype, ref.shape, ref.stride,
+                              offsets, rank))
+
+
+def _unravel(rank: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for n in reversed(shape):
+        out.append(rank % n if n else 0)
+        rank //= n or 1
+    return list(reversed(out))
+
+
+def _mesh_parallel(shape, names, kinds: dict[int, set[str]]) -> dict[str, int]:
+    """Degrees of parallelism from the mesh: a dimension named like tp/pp/ep is that; one that
+    shards some tensor is fsdp; one that only replicates is dp (HSDP's replica dimension)."""
+    par: dict[str, int] = {}
+    for i, n in enumerate(shape):
+        name = (names[i] if names else "").lower()
+        if name in ("tp", "pp", "ep", "cp"):
+            kind = name
+        elif "Shard" in kinds.get(i, set()):
+            kind = "fsdp"
+        else:
+            kind = "dp"
+        par[kind] = par.get(kind, 1) * n
+    return par
+
+
+def read(path: str) -> CheckpointLayout:
+    """Read the layout of a per-rank FSDP folder (metadata only: the pickles, never tensor data).
+
+    Problems found (missing ranks, mixed world sizes, fsdp_config.json disagreeing, unreadable
+    files, ranks that disagree, pieces that do not tile a tensor) are recorded in
+    ``layout.problems``; raises :class:`BadCheckpointError` only when no rank file exists.
+    """
+    root = Path(path)
+    kind, groups = _rank_files(root)
+    if not groups:
+        raise BadCheckpointError("no model_world_size_*_rank_*.pt or "
+                                 "pytorch_model_fsdp_*_rank*.bin files", str(root))
+    layout = CheckpointLayout(format="fsdp", path=str(root), world_size=0)
+    cfg_path = root / "fsdp_config.json"
+    cfg_world = None
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+            cfg_world = int(cfg["world_size"])
+            if cfg.get("FSDP_version"):
+                layout.notes.append(f"FSDP version {cfg['FSDP_version']} (fsdp_config.json)")
+        except (ValueError, KeyError, TypeError):
+            layout.problems.append(Problem("bad-fsdp-config", "not valid JSON with a world_size",
+                                           str(cfg_path)))
+    if kind == "verl":
+        if len(groups) > 1:
+            sizes = sorted(groups)
+            layout.problems.append(Problem(
+                "mixed-world-size", f"rank files of world sizes {sizes} in one folder", str(root)))
+        world = cfg_world if cfg_world in groups else max(groups, key=lambda w: len(groups[w]))
+        files = groups[world]
+    else:
+        files = groups[min(groups)]
+        world = max(files) + 1
+        layout.notes.append("accelerate per-rank files: world size taken from the rank numbers")
+    if cfg_world is not None and cfg_world != world:
+        layout.problems.append(Problem(
+            "world-size-mismatch", f"fsdp_config.json says world size {cfg_world}, the files "
+            f"say {world}", str(cfg_path)))
+    elif cfg_world is None and kind == "verl":
+        layout.notes.append(f"fsdp_config.json not found: world size {world} taken from the "
+                            "file names")
+    layout.world_size = world
+    b = _Builder(layout)
+    for r in range(world):
+        name = (f"model_world_size_{world}_rank_{r}.pt" if kind == "verl"
+                else f"pytorch_model_fsdp_{min(groups)}_rank{r}.bin")
+        fpath = files.get(r, str(root / name))
+        sf = stat_file(fpath, r)
+        layout.files.append(sf)
+        if sf.status == "missing":
+            layout.problems.append(Problem("missing-rank", f"rank {r} of {world} is missing",
+                                           fpath))
+            continue
+        try:
+            b.add_rank(r, fpath, read_torch_archive(fpath).root)
+        except BadCheckpointError as e:
+            sf.status = "unreadable"
+            layout.problems.append(problem_for(e, fpath))
+    for r in sorted(files):
+        if r >= world:
+            layout.problems.append(Problem("extra-rank", f"rank {r} is beyond world size {world}",
+                                           files[r]))
+    if b.mesh:
+        layout.mesh_shape, layout.mesh_dim_names = b.mesh
+        layout.parallel = _mesh_parallel(b.mesh[0], b.mesh[1], b.shard_dims_by_mesh_dim)
+    elif world > 1:
+        layout.parallel = {"fsdp": world}
+    all_keys = set().union(*b.keys_by_rank.values()) if b.keys_by_rank else set()
+    for r, keys in sorted(b.keys_by_rank.items()):
+        if keys != all_keys:
+            miss = sorted(all_keys - keys)
+            layout.problems.append(Problem(
+                "key-mismatch", f"rank {r} lacks {len(miss)} keys (e.g. {miss[0]})", files.get(r)))
+    if b.skipped:
+        layout.notes.append(f"{len(b.skipped)} non-tensor entries skipped")
+    if not any(p.code in ("missing-rank", "unreadable-file", "truncated-file", "unsafe-pickle")
+               for p in layout.problems):
+        for t in layout.tensors.values():
+            layout.problems.extend(coverage_problems(t))
+    hf = root / "huggingface"
+    attach_config(layout, hf if hf.is_dir() else None)
+    return layout

@@ -1,0 +1,80 @@
+"""Hugging Face model folders: ``model.safetensors``, or shards listed by
+``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import BadCheckpointError
+from ..layout import CheckpointLayout, Piece, Problem, TensorInfo
+from .common import attach_config, problem_for, stat_file
+from .safetensors_file import read_header
+
+INDEX = "model.safetensors.index.json"
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+def sniff(path: str) -> bool:
+    """True when ``path`` holds ``model.safetensors`` or a safetensors index."""
+    p = Path(path)
+    return (p / "model.safetensors").is_file() or (p / INDEX).is_file()
+
+
+def read(path: str) -> CheckpointLayout:
+    """Layout of a Hugging Face folder; every tensor is one piece. Problems: shards named by
+    the index but missing (``missing-file``), unreadable headers, keys in two shards
+    (``duplicate-key``), index entries whose shard lacks them (``index-mismatch``)."""
+    root = Path(path)
+    layout = CheckpointLayout(format="hf", path=str(root), world_size=1)
+    if (root / INDEX).is_file():
+        try:
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise BadCheckpointError("index is not valid JSON with a weight_map",
+                                     str(root / INDEX)) from None
+        shards = sorted(set(weight_map.values()))
+    else:
+        weight_map, shards = None, ["model.safetensors"]
+    seen: dict[str, str] = {}
+    for name in shards:
+        fpath = str(root / name)
+        sf = stat_file(fpath)
+        layout.files.append(sf)
+        if sf.status == "missing":
+            layout.problems.append(Problem("missing-file", "shard named by the index is missing",
+                                           fpath))
+            continue
+        try:
+            entries, _ = read_header(fpath)
+        except BadCheckpointError as e:
+            sf.status = "unreadable"
+            layout.problems.append(problem_for(e, fpath))
+            continue
+        for e in entries:
+            if e.name in seen:
+                layout.problems.append(Problem("duplicate-key", f"{e.name} is also in "
+                                               f"{seen[e.name]}", fpath))
+                continue
+            seen[e.name] = name
+            if weight_map is not None and weight_map.get(e.name) != name:
+                layout.problems.append(Problem("index-mismatch", f"{e.name} is in {name}, the "
+                                               f"index says {weight_map.get(e.name)}", fpath))
+            t = TensorInfo(e.name, e.shape, e.dtype, "full")
+            t.pieces.append(Piece(fpath, e.byte_offset, e.dtype, e.shape, _strides(e.shape),
+                                  (0,) * len(e.shape), 0))
+            layout.tensors[e.name] = t
+    if weight_map is not None:
+        for k, v in weight_map.items():
+            if k not in seen and (root / v).is_file():
+                layout.problems.append(Problem("index-mismatch", f"{k} is not in {v}",
+                                               str(root / v)))
+    attach_config(layout, root)
+    return layout

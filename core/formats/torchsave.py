@@ -1,0 +1,329 @@
+"""A restricted reader of ``torch.save`` archives that never imports torch and never runs code.
+
+Why our own reader rather than ``torch.load``: inspection must be fast (no torch import, no
+tensor data read) and must give the byte offset of every storage inside the file so the merge
+can stream from mmap; and checkpoints are untrusted input, so every global a pickle names is
+checked against an allow-list of data-only records before anything is built.
+
+Format facts (torch/serialization.py, checked on files written by torch 2.13): the file is a
+zip with every entry stored uncompressed: ``<name>/data.pkl`` (the pickle), ``<name>/data/<key>``
+(one entry per storage), ``<name>/byteorder``. The pickle refers to storages by persistent id
+``('storage', <StorageClass>, key, location, numel)``; tensors are rebuilt by
+``torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, ...)``; DTensors by
+``torch._tensor._rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, args, state)`` with
+``state = {'_local_tensor': ..., '_spec': DTensorSpec}``; ShardedTensors by NEWOBJ + BUILD
+with state ``(local_shards, metadata, ...)``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..dtypes import STORAGE_DTYPES, TORCH_DTYPE_NAMES
+from ..errors import BadCheckpointError, UnsafeCheckpointError
+
+
+@dataclass
+class StorageRef:
+    """A storage entry of the archive: ``key`` (entry name), dtype, element count, and once
+    resolved, the absolute byte offset of its data in the file and its length in bytes."""
+
+    key: str
+    dtype: str
+    numel: int
+    location: str = "cpu"
+    data_offset: int = -1
+    data_bytes: int = -1
+
+
+@dataclass
+class TensorRef:
+    """A plain tensor: a strided view of a storage (shape/stride/storage_offset in elements)."""
+
+    storage: StorageRef
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dtype(self) -> str:
+        return self.storage.dtype
+
+    @property
+    def byte_offset(self) -> int:
+        from ..dtypes import ITEMSIZE
+
+        return self.storage.data_offset + self.storage_offset * ITEMSIZE[self.storage.dtype]
+
+    def fits_storage(self) -> bool:
+        """True when the view lies inside its storage (a damaged pickle may say otherwise)."""
+        if any(s == 0 for s in self.shape):
+            return True
+        last = self.storage_offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        return self.storage_offset >= 0 and last < self.storage.numel
+
+
+@dataclass(eq=False)
+class Record:
+    """Any other allowed object, kept as data: the global it names, the arguments it was
+    called with, and its pickled state."""
+
+    module: str
+    name: str
+    args: tuple = ()
+    state: Any = None
+    attrs: dict = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A field of the pickled state (dict state, or dict inside a (dict, slots) pair)."""
+        st = self.state
+        if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):
+            if key in st[1]:
+                return st[1][key]
+            st = st[0]
+        if isinstance(st, dict):
+            return st.get(key, default)
+        return default
+
+
+@dataclass
+class DType:
+    """A ``torch.<dtype>`` global, as its safetensors name."""
+
+    name: str
+
+
+# Globals a model checkpoint may name, each mapped to a data-only record. Private module paths
+# move between torch releases; everything under these prefixes is a plain data class.
+_RECORD_MODULES = (
+    "torch.distributed.tensor", "torch.distributed._tensor", "torch.distributed.device_mesh",
+    "torch.distributed._mesh_layout", "torch.distributed._shard", "torch.distributed.remote_device",
+    "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint._extension", "torch.distributed.checkpoint.planner",
+)
+
+
+class StateDict(dict):
+    """``collections.OrderedDict`` as a state dict pickles it: a dict plus attributes set by
+    BUILD (``_metadata``), kept in ``attrs``."""
+
+    def __setstate__(self, state):
+        self.attrs = state
+
+
+def _make_record_class(module: str, name: str):
+    """A class whose ``__new__`` (pickle NEWOBJ) and call (REDUCE) both give a Record."""
+
+    def __new__(cls, *args):
+        return Record(module, name, args)
+
+    return type(name, (), {"__new__": __new__, "_record": (module, name)})
+
+
+def _setstate(rec: Record, state: Any) -> None:
+    rec.state = state
+
+
+Record.__setstate__ = _setstate  # BUILD on a Record stores the state as data
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, *_rest):
+    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, *_rest):
+    return Record("wrapper", getattr(cls, "_record", ("", "?"))[1],
+                  (dtype, tuple(size), tuple(stride), storage_offset))
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    obj = func(*args)
+    if isinstance(obj, Record):
+        obj.state = state
+        mod, name = getattr(new_type, "_record", ("", ""))
+        obj.module, obj.name = mod or obj.module, name or obj.name
+    return obj
+
+
+def _getattr(obj, name):
+    # FSDP1 ShardedTensor metadata names an enum member as getattr(MEM_FORMAT_ENCODING, NAME).
+    if isinstance(obj, type) and hasattr(obj, "_record"):
+        return _make_record_class(obj._record[0], f"{obj._record[1]}.{name}")
+    raise UnsafeCheckpointError(f"pickle calls getattr on {obj!r}")
+
+
+_FUNCTIONS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch.serialization", "_get_layout"): lambda name: name,
+    ("torch", "device"): lambda *a: str(a[0]) if a else "cpu",
+    ("torch", "Size"): lambda *a: tuple(a[0]) if a else (),
+    ("collections", "OrderedDict"): StateDict,
+    ("builtins", "getattr"): _getattr,
+    ("__builtin__", "getattr"): _getattr,
+    ("builtins", "set"): set,
+    ("pathlib", "PosixPath"): lambda *a: "/".join(map(str, a)),
+    ("pathlib", "PurePosixPath"): lambda *a: "/".join(map(str, a)),
+    ("pathlib", "WindowsPath"): lambda *a: "/".join(map(str, a)),
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("argparse", "Namespace"): _make_record_class("argparse", "Namespace"),
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles a checkpoint pickle into plain records. Raises
+    :class:`UnsafeCheckpointError` for any global outside the allow-list (e.g. ``os.system``)."""
+
+    def __init__(self, file, path: str, storages: dict[str, StorageRef]):
+        super().__init__(file)
+        self.path = path
+        self.storages = storages
+
+    def find_class(self, module: str, name: str):
+        fn = _FUNCTIONS.get((module, name))
+        if fn is not None:
+            return fn
+        if module == "torch" and name.endswith("Storage") and name in STORAGE_DTYPES:
+            return ("storage-class", STORAGE_DTYPES[name])
+        if module == "torch" and name in TORCH_DTYPE_NAMES:
+            return DType(TORCH_DTYPE_NAMES[name])
+        if module == "torch" and name in ("contiguous_format", "preserve_format",
+                                          "channels_last", "strided"):
+            return name
+        if any(module == m or module.startswith(m + ".") for m in _RECORD_MODULES):
+            return _make_record_class(module, name)
+        raise UnsafeCheckpointError(
+            f"pickle names the global {module}.{name}, which is not a tensor record; refusing to "
+            "load it (it could run code)", self.path)
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise BadCheckpointError(f"unexpected persistent id {pid!r}", self.path)
+        _, cls, key, location, numel = pid
+        dtype = cls[1] if isinstance(cls, tuple) else "U8"
+        ref = self.storages.get(key)
+        if ref is None:
+            ref = StorageRef(str(key), dtype, int(numel), str(location))
+            self.storages[key] = ref
+        return ref
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of a file starting at ``base``."""
+
+    def __init__(self, f, base: int, length: int):
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, off, whence=0):
+        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.length + off
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, b):
+        n = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.base + self.pos)
+        data = self.f.read(n)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+@dataclass
+class TorchArchive:
+    """The unpickled root object of a ``torch.save`` archive with resolved storage offsets."""
+
+    path: str
+    root: Any
+    storages: dict[str, StorageRef]
+
+
+def read_torch_archive(path: str, base: int = 0, length: int | None = None) -> TorchArchive:
+    """Read the pickle of the ``torch.save`` archive at ``path`` (or the ``length`` bytes at
+    ``base`` of it, as DCP embeds one per chunk) and locate every storage's bytes.
+
+    Raises :class:`BadCheckpointError` when the file is not a readable archive or a storage
+    entry is missing, compressed or short; :class:`UnsafeCheckpointError` for a forbidden global.
+    """
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise BadCheckpointError(f"cannot open: {e.strerror}", path) from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if length is None:
+            length = size - base
+        if base + length > size:
+            raise BadCheckpointError(f"file is {size} bytes, the checkpoint needs "
+                                     f"{base + length}: truncated", path)
+        win = _Window(f, base, length)
+        try:
+            zf = zipfile.ZipFile(win)
+            infos = {i.filename: i for i in zf.infolist()}
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            if base == 0 and _is_legacy_pickle(f):
+                raise BadCheckpointError("legacy (non-zip) torch.save format is not supported; "
+                                         "re-save it with a current torch", path) from None
+            raise BadCheckpointError(f"not a torch.save archive ({e}); truncated or corrupt?",
+                                     path) from None
+        pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise BadCheckpointError("torch.save archive without a single data.pkl", path)
+        prefix = pkl[0][: -len("data.pkl")]
+        byteorder = infos.get(prefix + "byteorder")
+        if byteorder is not None and zf.read(byteorder).strip() not in (b"little", b""):
+            raise BadCheckpointError("big-endian archives are not supported", path)
+        storages: dict[str, StorageRef] = {}
+        try:
+            data = zf.read(infos[pkl[0]])
+            root = RestrictedUnpickler(io.BytesIO(data), path, storages).load()
+        except (UnsafeCheckpointError, BadCheckpointError):
+            raise
+        except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, ValueError, TypeError,
+                AttributeError, IndexError, KeyError, struct.error, OSError) as e:
+            raise BadCheckpointError(f"corrupt pickle in torch.save archive ({e})", path) from None
+        from ..dtypes import ITEMSIZE
+
+        for key, ref in storages.items():
+            info = infos.get(f"{prefix}data/{key}")
+            if info is None:
+                raise BadCheckpointError(f"storage {key} is missing from the archive", path)
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise BadCheckpointError(f"storage {key} is compressed", path)
+            win.seek(info.header_offset)
+            hdr = win.read(30)
+            if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
+                raise BadCheckpointError(f"storage {key}: bad zip local header", path)
+            n, m = struct.unpack("<HH", hdr[26:30])
+            ref.data_offset = base + info.header_offset + 30 + n + m
+            ref.data_bytes = info.file_size
+            need = ref.numel * ITEMSIZE[ref.dtype]
+            if ref.data_bytes < need:
+                raise BadCheckpointError(f"storage {key} holds {ref.data_bytes} bytes, "
+                                         f"{need} expected", path)
+            if ref.data_offset + ref.data_bytes > size:
+                raise BadCheckpointError(f"storage {key} ends at byte "
+                                         f"{ref.data_offset + ref.data_bytes} but the file has "
+                                         f"{size}: truncated", path)
+        return TorchArchive(path, root, storages)
+
+
+def _is_legacy_pickle(f) -> bool:
+    f.seek(0)
+    head = f.read(2)
+    return len(head) == 2 and head[0] == 0x80  # a bare pickle protocol header

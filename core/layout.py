@@ -1,0 +1,212 @@
+"""The data model every format reader produces: a :class:`CheckpointLayout`.
+
+A layout answers, without reading tensor data, *for each tensor of the full model, which bytes
+of which files hold which slice of it*. Shapes are in elements, offsets of files in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import ITEMSIZE
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored slice of a global tensor.
+
+    ``file``/``byte_offset``: where element 0 of the slice's storage view starts (bytes).
+    ``shape``/``stride``: the stored slice, in elements (strides as torch reports them).
+    ``global_offsets``: where the slice starts in the global tensor, one entry per dim.
+    ``rank``/``coord``: the rank that wrote it and its coordinate in the device mesh.
+    """
+
+    file: str
+    byte_offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    global_offsets: tuple[int, ...]
+    rank: int | None = None
+    coord: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+    @property
+    def contiguous(self) -> bool:
+        """True when the slice's bytes are one C-contiguous run in its file."""
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass
+class TensorInfo:
+    """A global tensor: its name in the checkpoint, shape (elements), dtype and the pieces that
+    hold it. ``placement`` describes how it was stored (e.g. ``Shard(0)``, ``Replicate()``,
+    ``(Replicate(), Shard(0))``, ``ShardedTensor``, ``plain``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    placement: str
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+
+@dataclass
+class SourceFile:
+    """A file of the checkpoint: path, size in bytes, status (``ok``/``missing``/``unreadable``)
+    and the rank that wrote it when known."""
+
+    path: str
+    bytes: int
+    status: str = "ok"
+    rank: int | None = None
+
+
+@dataclass
+class Problem:
+    """Something wrong with the input. ``code`` is a stable string tests and the UI key on
+    (``missing-rank``, ``truncated-file``, ``world-size-mismatch``, ``coverage-gap``,
+    ``coverage-overlap``, ``shape-mismatch``, ``no-config`` ...); ``severity`` is ``error``
+    (a merge refuses) or ``warning``."""
+
+    code: str
+    message: str
+    path: str | None = None
+    severity: str = "error"
+
+
+@dataclass
+class CheckpointLayout:
+    """Everything known about a checkpoint before any tensor byte is read.
+
+    ``mesh_shape``/``mesh_dim_names``: the device mesh the tensors were placed on (``()`` when
+    none). ``parallel``: degree of each kind of parallelism found (keys dp, fsdp, tp, pp, vpp, ep).
+    ``extra_files``: files to copy unchanged into a merged folder (config, tokenizer, code),
+    as (source path, name in the output). ``notes``: facts worth telling the user.
+    """
+
+    format: str
+    path: str
+    world_size: int
+    mesh_shape: tuple[int, ...] = ()
+    mesh_dim_names: tuple[str, ...] | None = None
+    parallel: dict[str, int] = field(default_factory=dict)
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    files: list[SourceFile] = field(default_factory=list)
+    extra_files: list[tuple[str, str]] = field(default_factory=list)
+    config_dir: str | None = None
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    lora: dict[str, Any] | None = None
+    #: turns a piece whose ``byte_offset`` is -1 (not located yet, e.g. a DCP chunk) into a
+    #: located one; set by readers that defer that work past inspection
+    resolve_piece: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def parameters(self) -> int:
+        """Total elements over all tensors."""
+        return sum(t.numel for t in self.tensors.values())
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of the full (unsharded) tensors, in their stored dtypes."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def dtypes(self) -> dict[str, int]:
+        """Tensor count per dtype."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.dtype] = out.get(t.dtype, 0) + 1
+        return dict(sorted(out.items()))
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form printed by ``shardscope inspect --json``."""
+        par = {k: self.parallel.get(k, 1) for k in ("dp", "fsdp", "tp", "pp", "ep")}
+        if "vpp" in self.parallel:
+            par["vpp"] = self.parallel["vpp"]
+        return {
+            "format": self.format,
+            "path": self.path,
+            "world_size": self.world_size,
+            "mesh": {"shape": list(self.mesh_shape), "dim_names": list(self.mesh_dim_names)
+                     if self.mesh_dim_names is not None else None},
+            "parallel": par,
+            "tensors": len(self.tensors),
+            "parameters": self.parameters,
+            "bytes": self.bytes,
+            "dtypes": self.dtypes,
+            "shards": [{"path": f.path, "bytes": f.bytes, "status": f.status, "rank": f.rank}
+                       for f in self.files],
+            "config_dir": self.config_dir,
+            "extra_files": [name for _, name in self.extra_files],
+            "problems": [{"code": p.code, "message": p.message, "path": p.path,
+                          "severity": p.severity} for p in self.problems],
+            "notes": list(self.notes),
+            "lora": self.lora,
+            "params": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                        "placement": t.placement, "pieces": len(t.pieces)}
+                       for t in self.tensors.values()],
+        }
+
+
+def coverage_problems(t: TensorInfo) -> list[Problem]:
+    """Check that ``t``'s pieces tile its global shape exactly: no gap, no overlap, no piece
+    outside the tensor. Returns ``coverage-gap``/``coverage-overlap``/``piece-out-of-bounds``
+    problems (empty when sound)."""
+    problems: list[Problem] = []
+    for p in t.pieces:
+        if len(p.shape) != len(t.shape) or any(
+            o < 0 or o + s > g for o, s, g in zip(p.global_offsets, p.shape, t.shape)
+        ):
+            problems.append(Problem("piece-out-of-bounds",
+                                    f"{t.name}: piece {p.shape} at {p.global_offsets} lies outside "
+                                    f"the global shape {t.shape}", p.file))
+    if problems:
+        return problems
+    pieces = [p for p in t.pieces if p.numel]
+    total = sum(p.numel for p in pieces)
+    # Overlap: compare boxes pairwise; pieces sorted by offset so a 1-D split is checked in
+    # linear time (only neighbours can overlap when every piece spans the other dims fully).
+    pieces.sort(key=lambda p: p.global_offsets)
+    split_dims = {d for p in pieces for d, (s, g) in enumerate(zip(p.shape, t.shape)) if s != g}
+    if len(split_dims) <= 1:
+        pairs = zip(pieces, pieces[1:])
+    else:
+        pairs = ((a, b) for i, a in enumerate(pieces) for b in pieces[i + 1:])
+    for a, b in pairs:
+        if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in
+               zip(a.global_offsets, a.shape, b.global_offsets, b.shape)):
+            problems.append(Problem("coverage-overlap",
+                                    f"{t.name}: pieces at {a.global_offsets} and {b.global_offsets} "
+                                    "overlap", b.file))
+            return problems
+    if total != t.numel:
+        problems.append(Problem("coverage-gap", f"{t.name}: pieces hold {total} of {t.numel} "
+                                                "elements", t.pieces[0].file if t.pieces else None))
+    return problems

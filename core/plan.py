@@ -1,0 +1,214 @@
+"""Turn a :class:`CheckpointLayout` and the user's :class:`MergeOptions` into a
+:class:`MergePlan`: the exact output files, the tensors in each, and where each tensor's bytes
+come from. Knows Hugging Face naming and options; reads no tensor data."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .dtypes import FLOATING, ITEMSIZE, USER_DTYPES
+from .errors import BadCheckpointError, OutputExistsError, UsageError
+from .formats.common import config_files, read_config
+from .layout import CheckpointLayout, Piece, TensorInfo
+
+#: names of an output layer that ties to the input embedding (transformers' convention)
+TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
+
+
+@dataclass
+class MergeOptions:
+    """What the user asked for.
+
+    ``output``: the folder to write. ``dtype``: ``None`` keeps each tensor's dtype, else one of
+    ``bf16``/``fp16``/``fp32`` (floating-point tensors only). ``max_shard_size``: bytes or a
+    string such as ``"5GB"`` (decimal units, as huggingface_hub). ``hf_config``: a folder whose
+    config/tokenizer files are copied (never its weights). ``workers``: threads moving bytes.
+    """
+
+    output: str
+    dtype: str | None = None
+    max_shard_size: int | str = "5GB"
+    overwrite: bool = False
+    hf_config: str | None = None
+    workers: int = field(default_factory=lambda: min(32, os.cpu_count() or 1))
+
+
+@dataclass
+class OutputTensor:
+    """One tensor of the output: name, global shape (elements), output dtype and the source
+    pieces (located) that fill it. ``nbytes`` is its size in the output."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: TensorInfo
+    pieces: list[Piece]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass
+class OutputFile:
+    """A safetensors file of the output and its tensors, in write order."""
+
+    name: str
+    tensors: list[OutputTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class MergePlan:
+    """Everything ``run_merge`` needs: output files, index (when sharded), files to copy
+    (source path, relative name), bytes to read per source file, and warnings for the user."""
+
+    layout: CheckpointLayout
+    options: MergeOptions
+    files: list[OutputFile]
+    index: dict | None
+    copy_files: list[tuple[str, str]]
+    source_bytes: dict[str, int]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def tensor_count(self) -> int:
+        return sum(len(f.tensors) for f in self.files)
+
+
+def natural_key(name: str):
+    """Sort key that orders ``layers.2`` before ``layers.10``."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name)]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``5GB``, ``500MB``, ``1GiB`` or an int (decimal units as huggingface_hub)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", size, re.I)
+    if not m:
+        raise UsageError(f"cannot read the size {size!r} (e.g. 5GB, 500MB)")
+    unit = (m[2] or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10,
+            "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
+    if unit not in mult:
+        raise UsageError(f"unknown unit in {size!r}")
+    return int(float(m[1]) * mult[unit])
+
+
+def tie_word_embeddings(config_dir: str | None) -> bool | None:
+    """``tie_word_embeddings`` of the model config in ``config_dir``; when config.json does not
+    set it, the model class's default, as transformers resolves it. None without a config."""
+    cfg = read_config(config_dir)
+    if cfg is None:
+        return None
+    for c in (cfg, cfg.get("text_config") or {}):
+        if "tie_word_embeddings" in c:
+            return bool(c["tie_word_embeddings"])
+    try:
+        from transformers import AutoConfig
+
+        return bool(AutoConfig.from_pretrained(config_dir).tie_word_embeddings)
+    except Exception:  # noqa: BLE001 - unknown model type: fall back to the key's absence
+        return None
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Raise :class:`OutputExistsError` when ``out`` exists and ``overwrite`` is off, and
+    :class:`UsageError` when it is a file or lies inside the checkpoint being read."""
+    if out.exists() and not overwrite:
+        raise OutputExistsError("exists; pass --overwrite to replace it", str(out))
+    if out.exists() and not out.is_dir():
+        raise UsageError("exists and is not a folder", str(out))
+
+
+def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
+    """Plan the merge of ``layout`` into a Hugging Face folder.
+
+    Raises :class:`BadCheckpointError` (listing the problems) when the layout has errors or a
+    piece cannot be located; :class:`OutputExistsError` when the output exists and overwrite is
+    off; :class:`UsageError` for a bad option.
+    """
+    out = Path(options.output)
+    check_output(out, options.overwrite)
+    src = Path(layout.path).resolve()
+    if out.resolve() == src or src in out.resolve().parents:
+        raise UsageError("the output must not be inside the checkpoint", str(out))
+    if layout.errors:
+        first = layout.errors[0]
+        more = f" (and {len(layout.errors) - 1} more problems)" if len(layout.errors) > 1 else ""
+        raise BadCheckpointError(f"{first.message}{more}; run `shardscope inspect` for the "
+                                 "list", first.path or layout.path)
+    if not layout.tensors:
+        raise BadCheckpointError("the checkpoint holds no model tensors", layout.path)
+    target = None
+    if options.dtype:
+        target = USER_DTYPES.get(options.dtype.lower())
+        if target is None:
+            raise UsageError(f"unknown dtype {options.dtype!r} (bf16, fp16 or fp32)")
+    max_shard = parse_size(options.max_shard_size)
+    if max_shard <= 0:
+        raise UsageError("--max-shard-size must be positive")
+    warnings: list[str] = []
+    config_dir = layout.config_dir
+    copy = list(layout.extra_files)
+    if options.hf_config:
+        if not Path(options.hf_config, "config.json").is_file():
+            raise UsageError("has no config.json", options.hf_config)
+        config_dir = options.hf_config
+        copy = config_files(options.hf_config)
+    if config_dir is None:
+        warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
+                        "weights only and will not load with from_pretrained")
+    tied = tie_word_embeddings(config_dir)
+    names = sorted(layout.tensors, key=natural_key)
+    for out_name, emb in TIED_PAIRS:
+        if tied and out_name in layout.tensors and emb in layout.tensors:
+            names.remove(out_name)  # FSDP/DCP keep the tied copy; HF files must not
+        elif tied is False and out_name not in layout.tensors and emb in layout.tensors:
+            raise BadCheckpointError(f"the config says the embeddings are untied, but the "
+                                     f"checkpoint has no {out_name}", config_dir)
+    resolve = layout.resolve_piece
+    tensors: dict[str, OutputTensor] = {}
+    source_bytes: dict[str, int] = {}
+    for name in names:
+        t = layout.tensors[name]
+        pieces = sorted(t.pieces, key=lambda p: p.global_offsets)
+        if resolve is not None:
+            pieces = [resolve(p) for p in pieces]
+        for p in pieces:
+            source_bytes[p.file] = source_bytes.get(p.file, 0) + p.nbytes
+        dtype = target if target and t.dtype in FLOATING else t.dtype
+        tensors[name] = OutputTensor(name, t.shape, dtype, t, pieces)
+    files, index = _shard(tensors, max_shard)
+    return MergePlan(layout, options, files, index, copy, source_bytes, warnings)
+
+
+def _shard(tensors: dict[str, OutputTensor], max_shard: int):
+    """Output files via huggingface_hub's split helper (same file names and index as
+    ``save_pretrained``)."""
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+
+    split = split_state_dict_into_shards_factory(
+        tensors, get_storage_size=lambda t: t.nbytes,
+        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard)
+    files = [OutputFile(fname, [tensors[n] for n in sorted(names, key=natural_key)])
+             for fname, names in split.filename_to_tensors.items()]
+    index = None
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, "total_size": sum(t.nbytes for t in
+                                                                  tensors.values())},
+                 "weight_map": {n: split.tensor_to_filename[n]
+                                for n in sorted(tensors, key=natural_key)}}
+    return files, index

@@ -1,0 +1,214 @@
+"""Writes real sharded checkpoints of tiny models, with real torch.distributed (gloo, CPU).
+
+Used by ``shardscope sample`` (the README's main job), by the tests (fixtures of every layout
+the core reads, each with its unsharded reference) and by ``bench/``. Models are built from a
+config with a fixed seed: no download. Each rank runs in its own process (``spawn``).
+
+Layouts written (``Variant.kind``):
+- ``fsdp2``: verl's layout (``model_world_size_{W}_rank_{r}.pt`` of DTensor state dicts,
+  ``fsdp_config.json``, ``huggingface/``), FSDP2 ``fully_shard`` on a 1-D or 2-D (HSDP) mesh.
+- ``fsdp1``: the same files from FSDP1 ``SHARDED_STATE_DICT`` (ShardedTensor values).
+- ``dcp``: ``torch.distributed.checkpoint.save`` of the flat model state dict beside a
+  ``train_state`` entry (torchtitan style).
+- ``dcp-accelerate``: ``pytorch_model_fsdp_0/`` with the model nested under ``model``, as
+  accelerate's ``save_fsdp_model`` writes it.
+- ``accelerate-rank``: ``pytorch_model_fsdp_0_rank{r}.bin`` per rank (accelerate's per-rank
+  variant).
+The reference (``save_pretrained`` of the same model before sharding) goes to ``reference/``
+beside the checkpoint when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One checkpoint to write. ``dtype``: ``F32`` or ``BF16`` parameters. ``mesh_shape``:
+    ``()`` for a 1-D mesh over all ranks, ``(2, W/2)`` for HSDP. ``mesh_names``: dimension
+    names, or ``None`` for an unnamed mesh."""
+
+    name: str
+    kind: str = "fsdp2"
+    family: str = "qwen2"
+    dtype: str = "F32"
+    tie: bool = False
+    mesh_shape: tuple[int, ...] = ()
+    mesh_names: tuple[str, ...] | None = ("fsdp",)
+    seed: int = 0
+    hidden: int = 64
+    layers: int = 2
+    vocab: int = 331
+    write_fsdp_config: bool = True
+
+
+def tiny_config(v: Variant):
+    """A transformers config of a tiny model of the variant's family (imports transformers)."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.hidden * 11 // 4,
+                  num_hidden_layers=v.layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, tie_word_embeddings=v.tie, bos_token_id=1,
+                  eos_token_id=2)
+    if v.family == "llama":
+        return AutoConfig.for_model("llama", **common)
+    return AutoConfig.for_model("qwen2", **common)
+
+
+def tiny_tokenizer(vocab: int):
+    """A word-level tokenizer built in memory (the ``tokenizers`` library), so the sample has
+    real tokenizer files without a download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(min(vocab, 64) - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
+
+
+def build_model(v: Variant):
+    """The tiny model, deterministic for the variant's seed, in the variant's dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(v.seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(v))
+    with torch.no_grad():  # make biases and norms non-trivial so a mix-up shows in values
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    if v.dtype == "BF16":
+        model = model.to(torch.bfloat16)
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_checkpoints(root: str | os.PathLike, world_size: int, variants: list[Variant],
+                      reference: bool = True) -> None:
+    """Write each variant to ``root/<name>/`` (and its reference to ``root/<name>.reference/``)
+    with ``world_size`` gloo processes on the CPU. Blocks until all ranks are done; raises
+    ``RuntimeError`` when a rank fails."""
+    import torch.multiprocessing as mp
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    mp.start_processes(_rank_main, args=(world_size, port, str(root),
+                                         [asdict(v) for v in variants], reference),
+                       nprocs=world_size, start_method="spawn", join=True)
+
+
+def _rank_main(rank: int, world_size: int, port: int, root: str, variants: list[dict],
+               reference: bool) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        for vd in variants:
+            vd["mesh_shape"] = tuple(vd["mesh_shape"])
+            vd["mesh_names"] = tuple(vd["mesh_names"]) if vd["mesh_names"] else None
+            _write_variant(rank, world_size, Path(root), Variant(**vd), reference)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _hf_files(model, v: Variant, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tiny_tokenizer(v.vocab).save_pretrained(out)
+
+
+def _write_variant(rank: int, world: int, root: Path, v: Variant, reference: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = root / v.name
+    model = build_model(v)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if reference:
+            model.save_pretrained(root / f"{v.name}.reference")
+    dist.barrier()
+    layers = model.model.layers
+    if v.kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        wrapped = FSDP(model, device_id=torch.device("cpu"),
+                       auto_wrap_policy=ModuleWrapPolicy({type(layers[0])}))
+        with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
+            sd = wrapped.state_dict()
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        shape = v.mesh_shape or (world,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=v.mesh_names)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sd = model.state_dict()
+    if v.kind in ("fsdp1", "fsdp2"):
+        torch.save(sd, out / f"model_world_size_{world}_rank_{rank}.pt")
+        if rank == 0:
+            if v.write_fsdp_config:
+                (out / "fsdp_config.json").write_text(json.dumps(
+                    {"FSDP_version": 1 if v.kind == "fsdp1" else 2, "world_size": world}))
+            _hf_files(model, v, out / "huggingface")
+    elif v.kind == "accelerate-rank":
+        torch.save(sd, out / f"pytorch_model_fsdp_0_rank{rank}.bin")
+    elif v.kind in ("dcp", "dcp-accelerate"):
+        import torch.distributed.checkpoint as dcp
+
+        if v.kind == "dcp":
+            state = dict(sd)
+            state["train_state"] = {"step": 7, "losses": torch.arange(5, dtype=torch.float32)}
+            target = out
+        else:
+            state = {"model": sd}
+            target = out / "pytorch_model_fsdp_0"
+        dcp.save(state, checkpoint_id=str(target))
+    else:
+        raise ValueError(f"unknown variant kind {v.kind}")
+
+
+def write_sample(out: str | os.PathLike, world_size: int = 2, reference: str | None = None) -> Path:
+    """The README's sample: a verl-layout FSDP2 checkpoint of a tiny Qwen2 model (fp32,
+    ``world_size`` ranks) at ``out``; the unsharded model at ``reference`` when given.
+    Raises ``FileExistsError`` when ``out`` exists and is not empty."""
+    import shutil
+    import tempfile
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    with tempfile.TemporaryDirectory(prefix="shardscope-sample-") as tmp:
+        v = Variant(name="ckpt", kind="fsdp2")
+        write_checkpoints(tmp, world_size, [v], reference=reference is not None)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            out.rmdir()
+        shutil.move(os.path.join(tmp, "ckpt"), out)
+        if reference is not None:
+            shutil.move(os.path.join(tmp, "ckpt.reference"), reference)
+    return out
