@@ -234,8 +234,6 @@ class _Writer:
     def write_tensor(self, t: OutputTensor, dst: int, offset: int, ofile: str) -> None:
         if self.cancel.is_set():
             raise MergeCancelled("merge cancelled")
-        import torch
-
         from .dtypes import torch_dtype
 
         if _row_blocks(t):
@@ -247,11 +245,15 @@ class _Writer:
                 if p.dtype == t.dtype and p.contiguous:
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
                 else:
+                    import torch
+
                     x = _piece_tensor(p, self.src).to(torch_dtype(t.dtype)).contiguous()
                     _pwrite_all(dst, x.reshape(-1).view(torch.uint8).numpy(), pos)
                 pos += out_bytes
                 self._report(p, out_bytes)
         else:
+            import torch
+
             full = torch.empty(t.shape, dtype=torch_dtype(t.source.dtype))
             for p in t.pieces:
                 if self.cancel.is_set():

@@ -117,6 +117,9 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, variants: list[
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -144,6 +144,8 @@ def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, *_rest):
 
 def _rebuild_from_type_v2(func, new_type, args, state):
     obj = func(*args)
+    if isinstance(obj, TensorRef):
+        return obj  # a plain tensor (or Parameter) with Python attributes: keep the data view
     if isinstance(obj, Record):
         obj.state = state
         mod, name = getattr(new_type, "_record", ("", ""))
@@ -163,6 +165,10 @@ _FUNCTIONS = {
     ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     ("torch.serialization", "_get_layout"): lambda name: name,
+    ("torch._utils", "_rebuild_parameter"): lambda data, *_: data,
+    ("torch._utils", "_rebuild_parameter_with_state"): lambda data, *_: data,
+    ("torch", "Tensor"): _make_record_class("torch", "Tensor"),
+    ("torch.nn.parameter", "Parameter"): _make_record_class("torch.nn.parameter", "Parameter"),
     ("torch", "device"): lambda *a: str(a[0]) if a else "cpu",
     ("torch", "Size"): lambda *a: tuple(a[0]) if a else (),
     ("collections", "OrderedDict"): StateDict,

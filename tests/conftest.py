@@ -1,0 +1,90 @@
+"""Fixtures: real checkpoints written by torch.distributed (gloo, CPU) from tiny models, each
+with its unsharded reference (``save_pretrained`` of the same model before sharding).
+
+They are written once and cached under ``.pytest_cache/shardscope-fixtures/<key>`` (the key
+hashes the variant list and the torch version), so a second run of the suite starts at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from core.sample import Variant, write_checkpoints  # noqa: E402
+
+#: world size -> variants written by one process group of that size
+VARIANTS: dict[int, list[Variant]] = {
+    1: [Variant("w1-fsdp2"), Variant("w1-fsdp1", kind="fsdp1", family="llama")],
+    2: [
+        Variant("w2-qwen2-f32"),
+        Variant("w2-qwen2-bf16-tied", dtype="BF16", tie=True, seed=1),
+        Variant("w2-fsdp1", kind="fsdp1"),
+        Variant("w2-dcp", kind="dcp", family="llama", seed=2),
+        Variant("w2-dcp-accelerate", kind="dcp-accelerate", dtype="BF16", seed=3),
+        Variant("w2-accelerate-rank", kind="accelerate-rank", seed=4),
+        Variant("w2-no-fsdp-config", write_fsdp_config=False, seed=5),
+    ],
+    3: [
+        Variant("w3-llama-f32", family="llama", seed=6),
+        Variant("w3-unnamed-bf16-tied", mesh_names=None, dtype="BF16", tie=True, seed=7),
+        Variant("w3-fsdp1-bf16", kind="fsdp1", dtype="BF16", seed=8),
+        Variant("w3-dcp", kind="dcp", seed=9),
+    ],
+    4: [
+        Variant("w4-hsdp", mesh_shape=(2, 2), mesh_names=("ddp", "fsdp"), seed=10),
+        Variant("w4-hsdp-other-names", mesh_shape=(2, 2), mesh_names=("replicate", "shard"),
+                family="llama", dtype="BF16", seed=11),
+        Variant("w4-fsdp2", seed=12),
+    ],
+}
+ALL = [v for vs in VARIANTS.values() for v in vs]
+BY_NAME = {v.name: v for v in ALL}
+
+
+def _cache_root() -> Path:
+    import torch
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, {w: [asdict(v) for v in vs] for w, vs in VARIANTS.items()},
+         (ROOT / "core" / "sample.py").read_text()], sort_keys=True).encode()).hexdigest()[:16]
+    base = Path(os.environ.get("SHARDSCOPE_FIXTURES", ROOT / ".pytest_cache" /
+                               "shardscope-fixtures"))
+    return base / key
+
+
+@pytest.fixture(scope="session")
+def fixtures_root() -> Path:
+    """Folder holding every variant's checkpoint (``<name>/``) and reference
+    (``<name>.reference/``), written by real torch.distributed runs."""
+    root = _cache_root()
+    done = root / "complete"
+    if not done.exists():
+        tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for world, variants in VARIANTS.items():
+            write_checkpoints(tmp, world, variants)
+        (tmp / "complete").write_text("ok")
+        shutil.rmtree(root, ignore_errors=True)
+        os.rename(tmp, root)
+    return root
+
+
+@pytest.fixture
+def ckpt(fixtures_root, request) -> Path:
+    return fixtures_root / request.param
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A private copy of a fixture checkpoint that a test may damage."""
+    shutil.copytree(src, dst)
+    return dst

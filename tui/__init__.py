@@ -1,0 +1,1 @@
+"""shardscope's front ends: the Textual app and the command line (Rich)."""

@@ -1,0 +1,237 @@
+"""The ``shardscope`` command: ``inspect``, ``merge``, ``verify``, ``sample``; no subcommand
+opens the Textual app. Errors print one line (``shardscope: <file>: <problem>``) and exit with
+2 (usage), 3 (bad checkpoint) or 130 (interrupted); never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+
+VERL_NOTE = """\
+verl compatibility: `shardscope merge --backend fsdp --local_dir X --target_dir Y` works as
+`python -m verl.model_merger merge` does. --hf_model_path is read as --hf-config. These verl
+flags are accepted and have no effect, because shardscope never builds the model:
+--tie-word-embedding (the config's tie_word_embeddings decides), --is-value-model (the critic's
+score head is written like any other tensor), --trust-remote-code, --use_cpu_initialization.
+--hf_upload_path/--private (upload to the Hub) are not supported yet and are refused.
+Unlike verl's merger, dtypes are kept as trained unless --dtype asks otherwise."""
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardscope",
+        description="Inspect and merge distributed training checkpoints (FSDP, DCP, Hugging "
+                    "Face) into a Hugging Face model folder. Without a command, opens the app.")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command")
+
+    i = sub.add_parser("inspect", help="show the layout of a checkpoint (reads metadata only)")
+    i.add_argument("path")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument("--params", action="store_true", help="list every tensor")
+
+    m = sub.add_parser("merge", help="merge a sharded checkpoint into a Hugging Face folder",
+                       epilog=VERL_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("path", nargs="?", help="the checkpoint folder")
+    m.add_argument("-o", "--output", help="the folder to write (must not exist)")
+    m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="cast floating-point tensors (default: keep each tensor's dtype)")
+    m.add_argument("--max-shard-size", default="5GB",
+                   help="largest output file (decimal units, default 5GB)")
+    m.add_argument("--hf-config", metavar="DIR",
+                   help="folder whose config/tokenizer files are copied (never its weights)")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    m.add_argument("--workers", type=int, default=min(32, os.cpu_count() or 1),
+                   help="threads moving bytes (default: min(32, CPUs))")
+    m.add_argument("-v", "--verbose", action="store_true", help="log each step")
+    m.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    # verl.model_merger's flags
+    m.add_argument("--backend", choices=["fsdp", "megatron"], help=argparse.SUPPRESS)
+    m.add_argument("--local_dir", help=argparse.SUPPRESS)
+    m.add_argument("--target_dir", help=argparse.SUPPRESS)
+    m.add_argument("--hf_model_path", help=argparse.SUPPRESS)
+    for flag in ("--tie-word-embedding", "--is-value-model", "--trust-remote-code",
+                 "--use_cpu_initialization", "--private"):
+        m.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    m.add_argument("--hf_upload_path", help=argparse.SUPPRESS)
+
+    v = sub.add_parser("verify", help="check a merged folder, optionally against a reference")
+    v.add_argument("path")
+    v.add_argument("--reference", help="another checkpoint (any format) to compare with")
+    v.add_argument("--atol", type=float, default=0.0)
+    v.add_argument("--rtol", type=float, default=0.0)
+
+    s = sub.add_parser("sample", help="write a real FSDP2 sample checkpoint of a tiny model "
+                                      "(torch.distributed, gloo, CPU)")
+    s.add_argument("path")
+    s.add_argument("--world-size", type=int, default=2)
+    s.add_argument("--reference", help="also write the unsharded model here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core import ShardscopeError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.version:
+            from importlib.metadata import version
+
+            print(version("shardscope"))
+            return 0
+        if args.command is None:
+            from tui.app import run_app
+
+            return run_app()
+        return {"inspect": cmd_inspect, "merge": cmd_merge, "verify": cmd_verify,
+                "sample": cmd_sample}[args.command](args)
+    except ShardscopeError as e:
+        print(f"shardscope: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("shardscope: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def cmd_inspect(args) -> int:
+    from core import detect
+
+    layout = detect(args.path)
+    if args.json:
+        d = layout.to_dict()
+        if not args.params:
+            d.pop("params")
+        print(json.dumps(d, indent=2))
+        return 0
+    from rich.console import Console
+
+    from tui.render import render_layout
+
+    render_layout(layout, Console(), params=args.params)
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from rich.console import Console
+
+    from core import MergeOptions, UsageError, detect, plan_merge, run_merge
+
+    if args.hf_upload_path:
+        raise UsageError("--hf_upload_path: uploading to the Hub is not supported yet; merge, "
+                         "then upload the folder with `huggingface-cli upload`")
+    path = args.path or args.local_dir
+    output = args.output or args.target_dir
+    if not path or not output:
+        raise UsageError("usage: shardscope merge PATH -o OUT (or --local_dir X --target_dir Y)")
+    err = Console(stderr=True)
+    log = (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False)) if args.verbose else None
+    if log:
+        log(f"reading the layout of {path}")
+    layout = detect(path)
+    opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                        overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
+                        workers=max(1, args.workers))
+    plan = plan_merge(layout, opts)
+    for w in plan.warnings:
+        err.print(f"[yellow]warning:[/] {w}", highlight=False)
+    if log:
+        log(f"{layout.format}: {len(layout.tensors)} tensors, {layout.world_size} ranks -> "
+            f"{len(plan.files)} output files, {plan.total_bytes} bytes")
+    cancel = threading.Event()
+    show = not args.quiet and err.is_terminal
+    if show:
+        from tui.progress import MergeProgressView
+
+        with MergeProgressView(plan, err) as view:
+            result = _run_cancellable(plan, view.update, cancel, log)
+    else:
+        result = _run_cancellable(plan, None, cancel, log)
+    for w in result.warnings[len(plan.warnings):]:
+        err.print(f"[yellow]warning:[/] {w}", highlight=False)
+    rate = result.tensor_bytes / result.seconds if result.seconds else 0
+    print(f"wrote {result.output}: {len(result.files)} safetensors file(s), "
+          f"{result.tensors} tensors, {_human(result.tensor_bytes)} in {result.seconds:.2f} s "
+          f"({_human(rate)}/s)")
+    return 0
+
+
+def _run_cancellable(plan, on_progress, cancel, log):
+    """Run the merge; Ctrl-C sets the cancel event so the core removes its temporary folder."""
+    from core import run_merge
+
+    try:
+        return run_merge(plan, on_progress=on_progress, cancel=cancel, log=log)
+    except KeyboardInterrupt:
+        cancel.set()
+        raise
+
+
+def cmd_verify(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from core.verify import compare, verify_folder
+
+    console = Console()
+    problems = verify_folder(args.path)
+    for p in problems:
+        console.print(f"[red]{p.code}[/] {p.path or ''}: {p.message}", highlight=False)
+    errors = [p for p in problems if p.severity == "error"]
+    if args.reference:
+        diffs = compare(args.path, args.reference, args.atol, args.rtol)
+        if diffs:
+            t = Table("tensor", "difference", "detail", title="differences from the reference")
+            for d in diffs:
+                t.add_row(d.name, d.kind, d.detail)
+            console.print(t)
+            return 1
+        console.print(f"[green]all tensors match[/] {args.reference}"
+                      + (" bit for bit" if not (args.atol or args.rtol) else ""))
+    if errors:
+        return 1
+    console.print(f"[green]ok[/] {args.path}")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from core.sample import write_sample
+
+    try:
+        out = write_sample(args.path, world_size=args.world_size, reference=args.reference)
+    except FileExistsError as e:
+        from core import UsageError
+
+        raise UsageError(str(e)) from None
+    print(f"wrote a {args.world_size}-rank FSDP2 checkpoint of a tiny Qwen2 model to {out}"
+          + (f" and its unsharded reference to {args.reference}" if args.reference else ""))
+    return 0
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

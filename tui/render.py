@@ -1,0 +1,64 @@
+"""Rich rendering of a layout for ``shardscope inspect``."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from core import CheckpointLayout
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def render_layout(layout: CheckpointLayout, console: Console, params: bool = False) -> None:
+    """Print the summary, shard files, problems and notes (and every tensor with ``params``)."""
+    d = layout.to_dict()
+    mesh = "none"
+    if layout.mesh_shape:
+        names = layout.mesh_dim_names or ("?",) * len(layout.mesh_shape)
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(names, layout.mesh_shape))
+        if layout.mesh_dim_names is None:
+            mesh += " (unnamed)"
+    par = ", ".join(f"{k}={v}" for k, v in d["parallel"].items() if v > 1) or "none"
+    s = Table.grid(padding=(0, 2))
+    s.add_column(style="bold")
+    s.add_column()
+    s.add_row("format", layout.format)
+    s.add_row("path", layout.path)
+    s.add_row("world size", str(layout.world_size))
+    s.add_row("device mesh", mesh)
+    s.add_row("parallelism", par)
+    s.add_row("tensors", str(len(layout.tensors)))
+    s.add_row("parameters", f"{layout.parameters:,}")
+    s.add_row("bytes", f"{_human(layout.bytes)} ({layout.bytes:,})")
+    s.add_row("dtypes", ", ".join(f"{k} x{v}" for k, v in layout.dtypes.items()))
+    s.add_row("config", layout.config_dir or "none (merge with --hf-config DIR)")
+    console.print(s)
+    t = Table("rank", "file", "size", "status", title="shard files", title_justify="left")
+    for f in layout.files:
+        style = "" if f.status == "ok" else "red"
+        t.add_row("" if f.rank is None else str(f.rank), f.path, _human(f.bytes), f.status,
+                  style=style)
+    console.print(t)
+    if params:
+        pt = Table("tensor", "shape", "dtype", "placement", "pieces", title="parameters",
+                   title_justify="left")
+        for ten in layout.tensors.values():
+            pt.add_row(ten.name, str(list(ten.shape)), ten.dtype, ten.placement,
+                       str(len(ten.pieces)))
+        console.print(pt)
+    for n in layout.notes:
+        console.print(f"[dim]note:[/] {n}", highlight=False)
+    if layout.problems:
+        console.print(f"[bold red]{len(layout.problems)} problem(s)[/]")
+        for p in layout.problems:
+            color = "red" if p.severity == "error" else "yellow"
+            console.print(f"  [{color}]{p.code}[/] {p.path or ''}: {p.message}", highlight=False)
+    else:
+        console.print("[green]no problems found[/]")
