@@ -66,22 +66,26 @@ def _cache_root() -> Path:
 def fixtures_root() -> Path:
     """Folder holding every variant's checkpoint (``<name>/``) and reference
     (``<name>.reference/``), written by real torch.distributed runs."""
+    import fcntl
+
     root = _cache_root()
     done = root / "complete"
-    if not done.exists():
-        tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        for world, variants in VARIANTS.items():
-            write_checkpoints(tmp, world, variants)
-        (tmp / "complete").write_text("ok")
-        shutil.rmtree(root, ignore_errors=True)
-        os.rename(tmp, root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer when tests run in several processes
+        if not done.exists():
+            _write_all(root)
     return root
 
 
-@pytest.fixture
-def ckpt(fixtures_root, request) -> Path:
-    return fixtures_root / request.param
+def _write_all(root: Path) -> None:
+    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for world, variants in VARIANTS.items():
+        write_checkpoints(tmp, world, variants)
+    (tmp / "complete").write_text("ok")
+    shutil.rmtree(root, ignore_errors=True)
+    os.rename(tmp, root)
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:
