@@ -14,6 +14,8 @@ Layouts written (``Variant.kind``):
   accelerate's ``save_fsdp_model`` writes it.
 - ``accelerate-rank``: ``pytorch_model_fsdp_0_rank{r}.bin`` per rank (accelerate's per-rank
   variant).
+- ``dcp-hf``: DCP's Hugging Face writer (``HuggingFaceStorageWriter(save_distributed=True)``):
+  per-rank ``shard-*-model-*.safetensors`` with ``DCP_SHARDING_INFO``, plus ``huggingface/``.
 The reference (``save_pretrained`` of the same model before sharding) goes to ``reference/``
 beside the checkpoint when asked.
 """
@@ -177,6 +179,14 @@ def _write_variant(rank: int, world: int, root: Path, v: Variant, reference: boo
             if v.write_fsdp_config:
                 (out / "fsdp_config.json").write_text(json.dumps(
                     {"FSDP_version": 1 if v.kind == "fsdp1" else 2, "world_size": world}))
+            _hf_files(model, v, out / "huggingface")
+    elif v.kind == "dcp-hf":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        dcp.save(dict(sd), storage_writer=HuggingFaceStorageWriter(str(out),
+                                                                  save_distributed=True))
+        if rank == 0:
             _hf_files(model, v, out / "huggingface")
     elif v.kind == "accelerate-rank":
         torch.save(sd, out / f"pytorch_model_fsdp_0_rank{rank}.bin")

@@ -34,6 +34,7 @@ def inspect_json(path) -> dict:
     ("w2-dcp", "dcp", 2, [], None, {"fsdp": 2}),
     ("w2-dcp-accelerate", "dcp", 2, [], None, {"fsdp": 2}),
     ("w2-accelerate-rank", "fsdp", 2, [2], ["fsdp"], {"fsdp": 2}),
+    ("w3-dcp-hf", "dcp-hf", 3, [], None, {"fsdp": 3}),
 ])
 def test_inspect_json(fixtures_root, name, fmt, world, mesh, names, par):
     d = inspect_json(fixtures_root / name)

@@ -1,4 +1,4 @@
-"""DCP's Hugging Face writer: per-rank ``shard-{r:05d}-model-{i:05d}-of-{n:05d}.safetensors``.
+"""DCP's Hugging Face writer: per-rank ``shard-{r+1:05d}-model-{i:05d}-of-{n:05d}.safetensors``.
 
 Format facts (torch/distributed/checkpoint/_hf_utils.py and hf_storage.py; FORMATS.md): each
 file holds one rank's local pieces under the global tensor names; the piece offsets are only
@@ -27,7 +27,7 @@ def _files(p: Path) -> dict[str, tuple[int, Path]]:
         if d.is_dir():
             for f in d.iterdir():
                 if m := SHARD_RE.match(f.name):
-                    out[f.name] = (int(m[1]), f)
+                    out[f.name] = (int(m[1]) - 1, f)  # file numbers count ranks from 1
     return out
 
 
