@@ -284,7 +284,7 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     cancel = cancel or threading.Event()
     opts = plan.options
     out = Path(opts.output)
-    check_output(out, opts.overwrite)
+    check_output(out, opts.overwrite, plan.layout.path)
     for stale in stale_temp_dirs(out):
         shutil.rmtree(stale, ignore_errors=True)
         plan.warnings.append(f"removed {stale}, left by an interrupted merge")
@@ -325,7 +325,10 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         for src, rel in plan.copy_files:
             dst = tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            if rel == "config.json" and plan.config_dtype:
+                _write_config_dtype(src, dst, plan.config_dtype)
+            else:
+                shutil.copyfile(src, dst)
             if log:
                 log(f"copied {rel}")
         if cancel.is_set():
@@ -339,6 +342,16 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         w.src.close()
     return MergeResult(str(out), written, plan.total_bytes, time.perf_counter() - t0,
                        plan.tensor_count, list(plan.warnings))
+
+
+def _write_config_dtype(src: str, dst: Path, dtype: str) -> None:
+    """Copy config.json with its ``dtype``/``torch_dtype`` set to the cast dtype, so
+    ``from_pretrained`` loads the model in the dtype it was written in."""
+    cfg = json.loads(Path(src).read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in cfg or key == "dtype":
+            cfg[key] = dtype
+    dst.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _drain(futures: list, cancel: threading.Event, keep: int) -> None:

@@ -77,6 +77,8 @@ class MergePlan:
     copy_files: list[tuple[str, str]]
     source_bytes: dict[str, int]
     warnings: list[str] = field(default_factory=list)
+    #: torch dtype name to write into config.json when the merge casts (``--dtype``), else None
+    config_dtype: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -124,13 +126,30 @@ def tie_word_embeddings(config_dir: str | None) -> bool | None:
         return None
 
 
-def check_output(out: Path, overwrite: bool) -> None:
-    """Raise :class:`OutputExistsError` when ``out`` exists and ``overwrite`` is off, and
-    :class:`UsageError` when it is a file or lies inside the checkpoint being read."""
-    if out.exists() and not overwrite:
-        raise OutputExistsError("exists; pass --overwrite to replace it", str(out))
+#: files a folder made by a merge holds; --overwrite replaces only folders holding nothing else
+MERGED_MARKERS = ("model.safetensors", "model.safetensors.index.json", "config.json")
+
+
+def check_output(out: Path, overwrite: bool, source: str | None = None) -> None:
+    """Refuse an output that would lose data. Raises :class:`UsageError` when ``out`` is a
+    file, is or contains the ``source`` checkpoint, or lies inside it, or when ``overwrite``
+    would replace a non-empty folder that does not look like a model folder;
+    :class:`OutputExistsError` when ``out`` exists and ``overwrite`` is off."""
     if out.exists() and not out.is_dir():
         raise UsageError("exists and is not a folder", str(out))
+    if source is not None:
+        src, dst = Path(source).resolve(), out.resolve()
+        if dst == src or dst in src.parents:
+            raise UsageError("the output would contain the checkpoint being merged; choose "
+                             "another folder", str(out))
+        if src in dst.parents:
+            raise UsageError("the output must not be inside the checkpoint", str(out))
+    if out.exists() and not overwrite:
+        raise OutputExistsError("exists; pass --overwrite to replace it", str(out))
+    if out.exists() and any(out.iterdir()) and not any((out / m).exists()
+                                                       for m in MERGED_MARKERS):
+        raise UsageError("exists and does not look like a model folder; refusing to replace "
+                         "it", str(out))
 
 
 def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
@@ -141,10 +160,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     off; :class:`UsageError` for a bad option.
     """
     out = Path(options.output)
-    check_output(out, options.overwrite)
-    src = Path(layout.path).resolve()
-    if out.resolve() == src or src in out.resolve().parents:
-        raise UsageError("the output must not be inside the checkpoint", str(out))
+    check_output(out, options.overwrite, layout.path)
     if layout.errors:
         first = layout.errors[0]
         more = f" (and {len(layout.errors) - 1} more problems)" if len(layout.errors) > 1 else ""
@@ -192,7 +208,8 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         dtype = target if target and t.dtype in FLOATING else t.dtype
         tensors[name] = OutputTensor(name, t.shape, dtype, t, pieces)
     files, index = _shard(tensors, max_shard)
-    return MergePlan(layout, options, files, index, copy, source_bytes, warnings)
+    config_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(target or "")
+    return MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype)
 
 
 def _shard(tensors: dict[str, OutputTensor], max_shard: int):

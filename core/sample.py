@@ -63,16 +63,24 @@ def tiny_config(v: Variant):
 
 
 def tiny_tokenizer(vocab: int):
-    """A word-level tokenizer built in memory (the ``tokenizers`` library), so the sample has
-    real tokenizer files without a download."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A byte-level BPE tokenizer trained in memory on a few sentences (the ``tokenizers``
+    library), so the sample has real tokenizer files that ``AutoTokenizer`` loads (also as
+    the family's own class, e.g. ``Qwen2Tokenizer``) without a download; its vocabulary fits
+    in the model's ``vocab`` rows."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(min(vocab, 64) - 3)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab, 300), show_progress=False,
+                                  special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["the quick brown fox jumps over the lazy dog", "shards merge checkpoints",
+            "every rank holds a slice of each tensor"]
+    tok.train_from_iterator(text * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                  eos_token="</s>")
+                                   eos_token="</s>")
 
 
 def build_model(v: Variant):
@@ -153,6 +161,7 @@ def _write_variant(rank: int, world: int, root: Path, v: Variant, reference: boo
         out.mkdir(parents=True, exist_ok=True)
         if reference:
             model.save_pretrained(root / f"{v.name}.reference")
+            tiny_tokenizer(v.vocab).save_pretrained(root / f"{v.name}.reference")
     dist.barrier()
     layers = model.model.layers
     if v.kind == "fsdp1":

@@ -75,8 +75,9 @@ def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
         if ta.shape != tb.shape:
             diffs.append(Difference(n, "shape", f"{ta.shape} vs {tb.shape}"))
             continue
-        if ta.dtype != tb.dtype:
-            diffs.append(Difference(n, "dtype", f"{ta.dtype} vs {tb.dtype}"))
+        if ta.dtype != tb.dtype and not (atol or rtol):
+            diffs.append(Difference(n, "dtype", f"{ta.dtype} vs {tb.dtype} (compare values "
+                                                "across dtypes with --atol/--rtol)"))
         xa, xb = read_tensor(a, n), read_tensor(b, n)
         d = _value_difference(xa, xb, atol, rtol)
         if d:

@@ -129,3 +129,45 @@ def test_sample_command_writes_a_real_fsdp2_checkpoint(tmp_path):
     assert r.returncode == 0
     r = run("verify", str(tmp_path / "m"), "--reference", str(tmp_path / "ref"))
     assert r.returncode == 0, r.stdout
+
+
+def test_output_that_would_hold_the_source_is_refused(fixtures_root, tmp_path):
+    parent = tmp_path / "parent"
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", parent / "ck")
+    r = run("merge", str(ck), "-o", str(parent), "--overwrite")
+    assert r.returncode == 2 and "contain the checkpoint" in r.stderr
+    assert (ck / "model_world_size_2_rank_0.pt").is_file()
+    r = run("merge", str(ck), "-o", str(ck / "inside"))
+    assert r.returncode == 2 and not (ck / "inside").exists()
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_model(fixtures_root, tmp_path):
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep me")
+    r = run("merge", str(fixtures_root / "w2-qwen2-f32"), "-o", str(user), "--overwrite")
+    assert r.returncode == 2 and "does not look like a model folder" in r.stderr
+    assert (user / "notes.txt").read_text() == "keep me"
+
+
+def test_cast_updates_config_dtype_and_loads_in_it(fixtures_root, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "o"
+    assert main(["merge", str(fixtures_root / "w2-qwen2-f32"), "-o", str(out), "--dtype", "bf16",
+                 "-q"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    ids = AutoTokenizer.from_pretrained(out)("the quick brown fox", return_tensors="pt")
+    assert ids["input_ids"].numel() > 0
+    model(**ids)
+    r = run("verify", str(out), "--reference", str(fixtures_root / "w2-qwen2-f32.reference"),
+            "--atol", "0.01", "--rtol", "0.01")
+    assert r.returncode == 0, r.stdout
+
+
+def test_verify_on_a_non_model_folder_is_a_bad_input(tmp_path):
+    r = run("verify", str(tmp_path))
+    assert r.returncode == 3 and "no model.safetensors" in r.stderr

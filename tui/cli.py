@@ -74,10 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hf_upload_path", help=argparse.SUPPRESS)
 
     v = sub.add_parser("verify", help="check a merged folder, optionally against a reference")
-    v.add_argument("path")
+    v.add_argument("path", help="a Hugging Face folder (e.g. a merge's output)")
     v.add_argument("--reference", help="another checkpoint (any format) to compare with")
-    v.add_argument("--atol", type=float, default=0.0)
-    v.add_argument("--rtol", type=float, default=0.0)
+    v.add_argument("--atol", type=float, default=0.0,
+                   help="absolute tolerance (default 0: bit-exact)")
+    v.add_argument("--rtol", type=float, default=0.0,
+                   help="relative tolerance (default 0: bit-exact)")
 
     s = sub.add_parser("sample", help="write a real FSDP2 sample checkpoint of a tiny model "
                                       "(torch.distributed, gloo, CPU)")
@@ -91,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     from core import ShardscopeError
 
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and not argv[0].startswith("-") and argv[0] not in (
+            "inspect", "merge", "verify", "sample"):
+        from tui.app import run_app  # `shardscope PATH` opens the app there
+
+        return run_app(argv[0])
     args = parser.parse_args(argv)
     try:
         if args.version:
@@ -139,7 +147,7 @@ def cmd_merge(args) -> int:
 
     if args.hf_upload_path:
         raise UsageError("--hf_upload_path: uploading to the Hub is not supported yet; merge, "
-                         "then upload the folder with `huggingface-cli upload`")
+                         "then upload the folder with `hf upload`")
     path = args.path or args.local_dir
     output = args.output or args.target_dir
     if not path or not output:
@@ -193,8 +201,12 @@ def cmd_verify(args) -> int:
 
     from core.verify import compare, verify_folder
 
+    from core import BadCheckpointError
+
     console = Console()
     problems = verify_folder(args.path)
+    if problems and problems[0].code == "not-hf-folder":
+        raise BadCheckpointError(problems[0].message, args.path)
     for p in problems:
         console.print(f"[red]{p.code}[/] {p.path or ''}: {p.message}", highlight=False)
     errors = [p for p in problems if p.severity == "error"]

@@ -24,7 +24,7 @@ def detect(path: str | os.PathLike) -> CheckpointLayout:
     :class:`BadCheckpointError` when the path does not exist or no reader recognises it;
     problems with a recognised checkpoint are in ``layout.problems`` instead.
     """
-    p = Path(path)
+    given = p = Path(path)
     if not p.exists():
         raise BadCheckpointError("no such file or folder", str(p))
     if p.is_file():
@@ -34,4 +34,5 @@ def detect(path: str | os.PathLike) -> CheckpointLayout:
             return mod.read(str(p))
     raise BadCheckpointError(
         "not a checkpoint shardscope knows (looked for .metadata, model_world_size_*_rank_*.pt, "
-        "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors)", str(p))
+        "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors)",
+        str(given))

@@ -1,0 +1,106 @@
+"""Pilot tests of the real app on real checkpoints."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from core.execute import _Writer
+from test_merge_exact import assert_bit_equal, load
+from tui.app import make_app
+from tui.screens.inspector import InspectorScreen
+from tui.screens.merge_options import MergeOptionsScreen
+from tui.screens.merge_run import MergeRunScreen
+from tui.widgets.param_tree import ParamTree
+
+
+def leaves(tree: ParamTree) -> list[str]:
+    out, stack = [], [tree.root]
+    while stack:
+        n = stack.pop()
+        if n.data is not None:
+            out.append(n.data.name)
+        stack.extend(n.children)
+    return out
+
+
+async def wait_for(pilot, cond, tries=100):
+    for _ in range(tries):
+        if cond():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("condition not reached")
+
+
+async def open_inspector(pilot, app):
+    await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+    return app.screen
+
+
+@pytest.mark.asyncio
+async def test_open_filter_and_merge_bit_exact(fixtures_root, tmp_path):
+    src = fixtures_root / "w4-hsdp"
+    app = make_app(str(src))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_inspector(pilot, app)
+        summary = str(screen.query_one("#summary").render())
+        assert "fsdp" in summary and "ddp=2 x fsdp=2" in summary
+        tree = screen.query_one("#params", ParamTree)
+        assert len(leaves(tree)) == 27
+        await pilot.press("slash", *"qproj")
+        await wait_for(pilot, lambda: len(leaves(tree)) == 4)
+        assert all("q_proj" in n for n in leaves(tree))
+        await pilot.press("enter", "m")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+        app.screen.query_one("#output").value = str(tmp_path / "out")
+        await pilot.click("#ok")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
+        run = app.screen
+        await wait_for(pilot, lambda: run.finished, tries=400)
+        assert "verified" in str(run.query_one("#result").render())
+    assert_bit_equal(load(tmp_path / "out"), load(fixtures_root / "w4-hsdp.reference"))
+
+
+@pytest.mark.asyncio
+async def test_options_refuse_existing_output(fixtures_root, tmp_path):
+    (tmp_path / "exists").mkdir()
+    app = make_app(str(fixtures_root / "w2-qwen2-f32"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await open_inspector(pilot, app)
+        await pilot.press("m")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+        app.screen.query_one("#output").value = str(tmp_path / "exists")
+        await pilot.click("#ok")
+        await pilot.pause(0.1)
+        assert isinstance(app.screen, MergeOptionsScreen)
+        assert "exists" in str(app.screen.query_one("#error").render())
+
+
+@pytest.mark.asyncio
+async def test_cancel_midway_leaves_nothing(fixtures_root, tmp_path, monkeypatch):
+    gate, started = threading.Event(), threading.Event()
+    real = _Writer.write_tensor
+
+    def gated(self, t, *a):
+        started.set()
+        gate.wait(10)  # hold the merge mid-way until the test has pressed escape
+        return real(self, t, *a)
+
+    monkeypatch.setattr(_Writer, "write_tensor", gated)
+    out = tmp_path / "out"
+    app = make_app(str(fixtures_root / "w3-llama-f32"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await open_inspector(pilot, app)
+        await pilot.press("m")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+        app.screen.query_one("#output").value = str(out)
+        await pilot.click("#ok")
+        await wait_for(pilot, started.is_set)
+        run = app.screen
+        await pilot.press("escape")
+        gate.set()
+        await wait_for(pilot, lambda: run.finished, tries=400)
+        assert "cancelled" in str(run.query_one("#status").render())
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]

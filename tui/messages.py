@@ -1,0 +1,49 @@
+"""Messages posted by the app's workers (past tense: they report what happened)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from core import CheckpointLayout, MergeResult
+
+
+@dataclass
+class LayoutLoaded(Message):
+    """A checkpoint's layout was read."""
+
+    layout: CheckpointLayout
+
+
+@dataclass
+class LayoutFailed(Message):
+    """Reading a checkpoint failed; ``error`` is the one-line message."""
+
+    path: str
+    error: str
+
+
+@dataclass
+class FolderDetected(Message):
+    """The browser's background detection found (or not) a checkpoint in ``path``."""
+
+    path: str
+    summary: str
+
+
+@dataclass
+class MergeFinished(Message):
+    """A merge completed; ``problems`` are the quick verification's findings."""
+
+    result: MergeResult
+    problems: list[str]
+
+
+@dataclass
+class MergeFailed(Message):
+    """A merge stopped: cancelled (``cancelled``) or failed with ``error``; nothing was left
+    at the output."""
+
+    error: str
+    cancelled: bool

@@ -1,0 +1,118 @@
+"""The inspector: summary, shard files, problems, parameter tree with a filter, and the pieces
+of the selected tensor."""
+
+from __future__ import annotations
+
+import os
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Input, Static, Tree
+
+from core import CheckpointLayout, TensorInfo
+from tui.widgets.layout_summary import LayoutSummary
+from tui.widgets.param_tree import ParamTree
+from tui.widgets.shard_table import ShardTable
+
+
+def problems_text(layout: CheckpointLayout) -> str:
+    if not layout.problems:
+        return "[green]no problems found[/]"
+    lines = [f"[b red]{len(layout.problems)} problem(s)[/]"]
+    for p in layout.problems:
+        color = "red" if p.severity == "error" else "yellow"
+        where = os.path.basename(p.path) if p.path else ""
+        lines.append(f"[{color}]{p.code}[/] {where}: {p.message}")
+    return "\n".join(lines + [f"[dim]note: {n}[/]" for n in layout.notes])
+
+
+class InspectorScreen(Screen):
+    """Everything the core knows about one checkpoint."""
+
+    BINDINGS = [
+        Binding("m", "merge", "Merge", id="merge", tooltip="Merge into a Hugging Face folder"),
+        Binding("slash", "filter", "Filter", id="filter", tooltip="Filter the parameter tree"),
+        Binding("escape", "back", "Back", id="back", tooltip="Back to the browser"),
+    ]
+
+    def __init__(self, layout: CheckpointLayout):
+        super().__init__()
+        self.ckpt = layout
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal():
+            with Vertical(id="left"):
+                summary = LayoutSummary(self.ckpt, id="summary")
+                summary.border_title = "layout"
+                yield summary
+                shards = ShardTable(self.ckpt, id="shards")
+                shards.border_title = "shard files"
+                yield shards
+                problems = Static(problems_text(self.ckpt), id="problems")
+                problems.border_title = "problems"
+                yield VerticalScroll(problems, id="problems-box")
+            with Vertical(id="right"):
+                yield Input(placeholder="filter parameters (fuzzy)", id="filter")
+                tree = ParamTree(self.ckpt.tensors, id="params")
+                tree.border_title = "parameters"
+                yield tree
+                pieces = DataTable(id="pieces", cursor_type="row")
+                pieces.border_title = "pieces of the selected tensor"
+                yield pieces
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.title = f"shardscope — {self.ckpt.path}"
+        self.query_one("#filter", Input).display = False
+        self.query_one("#pieces", DataTable).add_columns("rank", "file", "offsets", "shape",
+                                                         "bytes at")
+        self.query_one("#params", ParamTree).focus()
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.focus()
+
+    def action_back(self) -> None:
+        box = self.query_one("#filter", Input)
+        if box.display:
+            box.value = ""
+            box.display = False
+            self.query_one("#params", ParamTree).focus()
+        elif len(self.app.screen_stack) > 2:
+            self.app.pop_screen()
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.query_one("#params", ParamTree).set_filter(event.value)
+
+    @on(Input.Submitted, "#filter")
+    def _filter_done(self) -> None:
+        self.query_one("#params", ParamTree).focus()
+
+    @on(Tree.NodeHighlighted, "#params")
+    def _show_pieces(self, event: Tree.NodeHighlighted) -> None:
+        t = event.node.data
+        table = self.query_one("#pieces", DataTable)
+        table.clear()
+        if not isinstance(t, TensorInfo):
+            return
+        table.border_title = f"{t.name}: {list(t.shape)} {t.dtype} {t.placement}"
+        for p in sorted(t.pieces, key=lambda p: p.global_offsets):
+            table.add_row("" if p.rank is None else str(p.rank), os.path.basename(p.file),
+                          str(list(p.global_offsets)), str(list(p.shape)),
+                          "deferred" if p.byte_offset < 0 else str(p.byte_offset))
+
+    def action_merge(self) -> None:
+        from tui.screens.merge_options import MergeOptionsScreen
+        from tui.screens.merge_run import MergeRunScreen
+
+        def start(options) -> None:
+            if options is not None:
+                self.app.push_screen(MergeRunScreen(self.ckpt, options))
+
+        self.app.push_screen(MergeOptionsScreen(self.ckpt), start)

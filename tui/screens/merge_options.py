@@ -1,0 +1,80 @@
+"""The merge options form: a modal that returns a :class:`core.MergeOptions` or None."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Checkbox, Input, Label, Select
+
+from core import CheckpointLayout, MergeOptions, UsageError
+from core.plan import check_output, parse_size
+
+DTYPES = [("keep (as trained)", "keep"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
+
+
+class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
+    """Output folder, dtype, max shard size, overwrite; invalid values are refused here."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="cancel-options")]
+
+    def __init__(self, layout: CheckpointLayout):
+        super().__init__()
+        self.ckpt = layout
+
+    def compose(self) -> ComposeResult:
+        default_out = str(Path(self.ckpt.path).resolve().parent / "merged_hf")
+        with Vertical(id="options"):
+            yield Label("[b]Merge into a Hugging Face folder[/]")
+            yield Label("output folder")
+            yield Input(default_out, id="output")
+            yield Label("output dtype")
+            yield Select(DTYPES, value="keep", allow_blank=False, id="dtype")
+            yield Label("max shard size (decimal units, e.g. 5GB, 500MB)")
+            yield Input("5GB", id="shard-size")
+            if self.ckpt.config_dir is None:
+                yield Label("config folder (this checkpoint has none)")
+                yield Input("", placeholder="folder with config.json and tokenizer",
+                            id="hf-config")
+            yield Checkbox("overwrite an existing output", id="overwrite")
+            yield Label("", id="error")
+            with Horizontal(id="buttons"):
+                yield Button("Merge", variant="primary", id="ok")
+                yield Button("Cancel", id="cancel")
+
+    def options(self) -> MergeOptions:
+        """The form as options. Raises UsageError (shown in the form) for a bad value."""
+        out = self.query_one("#output", Input).value.strip()
+        if not out:
+            raise UsageError("give an output folder")
+        size = self.query_one("#shard-size", Input).value.strip()
+        if parse_size(size) <= 0:
+            raise UsageError("the shard size must be positive")
+        overwrite = self.query_one("#overwrite", Checkbox).value
+        check_output(Path(out), overwrite, self.ckpt.path)
+        hf_config = None
+        if self.query("#hf-config"):
+            hf_config = self.query_one("#hf-config", Input).value.strip() or None
+            if hf_config and not Path(hf_config, "config.json").is_file():
+                raise UsageError("has no config.json", hf_config)
+        dtype = self.query_one("#dtype", Select).value
+        return MergeOptions(output=out, dtype=None if dtype == "keep" else str(dtype),
+                            max_shard_size=size, overwrite=overwrite, hf_config=hf_config)
+
+    @on(Button.Pressed, "#ok")
+    @on(Input.Submitted)
+    def _submit(self) -> None:
+        try:
+            opts = self.options()
+        except UsageError as e:
+            self.query_one("#error", Label).update(f"[red]{e}[/]")
+            return
+        self.dismiss(opts)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)

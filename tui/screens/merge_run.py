@@ -1,0 +1,141 @@
+"""The merge run: a thread worker runs the core; the screen polls shared counters (so a fast
+merge never floods the message queue) and shows one bar per source file and one overall.
+Escape cancels: the core sees the worker's cancel event and removes its temporary folder."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Label, ProgressBar, Static
+from textual.worker import get_current_worker
+
+from core import (CheckpointLayout, MergeCancelled, MergeOptions, MergeProgress,
+                  ShardscopeError, plan_merge, run_merge)
+from tui.format import human_bytes
+from tui.messages import MergeFailed, MergeFinished
+
+MAX_FILE_BARS = 16
+
+
+class MergeRunScreen(Screen):
+    """Runs one merge and shows its progress, then its result."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel / back", id="cancel-merge")]
+
+    def __init__(self, layout: CheckpointLayout, options: MergeOptions):
+        super().__init__()
+        self.ckpt, self.options = layout, options
+        self.latest: MergeProgress | None = None
+        self.per_source: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.finished = False
+        self.plan = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Vertical(id="run"):
+            yield Label(f"merging {self.ckpt.path} -> {self.options.output}", id="what")
+            yield Label("planning…", id="status")
+            yield ProgressBar(id="overall", show_eta=False)
+            yield VerticalScroll(id="sources")
+            yield Static("", id="result")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.run_merge()
+        self.set_interval(0.2, self._poll)
+
+    def on_progress(self, ev: MergeProgress) -> None:
+        """Called from the worker thread: only stores counters."""
+        with self.lock:
+            self.latest = ev
+            if ev.source:
+                self.per_source[ev.source] = ev.source_read
+
+    @work(thread=True, group="merge", exclusive=True, exit_on_error=False,
+          description="merge")
+    def run_merge(self) -> None:
+        worker = get_current_worker()
+        try:
+            plan = plan_merge(self.ckpt, self.options)
+            self.plan = plan
+            self.app.call_from_thread(self._show_plan, plan)
+            result = run_merge(plan, on_progress=self.on_progress,
+                               cancel=worker.cancelled_event)
+            from core.verify import verify_folder
+
+            problems = [f"{p.code}: {p.message}" for p in verify_folder(result.output)
+                        if p.severity == "error"]
+            self.post_message(MergeFinished(result, problems))
+        except MergeCancelled:
+            self.post_message(MergeFailed("cancelled; nothing was written", True))
+        except ShardscopeError as e:
+            self.post_message(MergeFailed(str(e), False))
+
+    def _show_plan(self, plan) -> None:
+        self.query_one("#overall", ProgressBar).update(total=plan.total_bytes)
+        self.query_one("#status", Label).update(
+            f"{plan.tensor_count} tensors -> {len(plan.files)} file(s), "
+            f"{human_bytes(plan.total_bytes)}")
+        box = self.query_one("#sources", VerticalScroll)
+        if len(plan.source_bytes) <= MAX_FILE_BARS:
+            for i, (path, total) in enumerate(plan.source_bytes.items()):
+                box.mount(Label(os.path.basename(path)))
+                box.mount(ProgressBar(total=total, show_eta=False, id=f"src-{i}"))
+
+    def _poll(self) -> None:
+        if self.plan is None:
+            return
+        with self.lock:
+            ev, per = self.latest, dict(self.per_source)
+        if ev is None:
+            return
+        self.query_one("#overall", ProgressBar).update(progress=ev.bytes_written)
+        if not self.finished:
+            self.query_one("#status", Label).update(
+                f"{ev.tensors_done}/{ev.tensors_total} tensors, "
+                f"{human_bytes(ev.bytes_written)} of {human_bytes(ev.bytes_total)}  {ev.tensor}")
+        for i, path in enumerate(self.plan.source_bytes):
+            bars = self.query(f"#src-{i}")
+            if bars and path in per:
+                bars.first(ProgressBar).update(progress=per[path])
+
+    @on(MergeFinished)
+    def _finished(self, msg: MergeFinished) -> None:
+        self.finished = True
+        self._poll()
+        r = msg.result
+        lines = [f"[green b]done[/] in {r.seconds:.2f} s: {r.tensors} tensors, "
+                 f"{human_bytes(r.tensor_bytes)} -> {r.output}"]
+        lines += [f"  {name}  {human_bytes(size)}" for name, size in r.files]
+        lines += [f"[yellow]warning:[/] {w}" for w in r.warnings]
+        lines.append("[green]verified: keys and shapes match[/]" if not msg.problems
+                     else "[red]verification found:[/] " + "; ".join(msg.problems))
+        lines.append("[dim]escape: back to the inspector[/]")
+        self.query_one("#status", Label).update("finished")
+        self.query_one("#result", Static).update("\n".join(lines))
+
+    @on(MergeFailed)
+    def _failed(self, msg: MergeFailed) -> None:
+        self.finished = True
+        color = "yellow" if msg.cancelled else "red"
+        self.query_one("#status", Label).update(f"[{color}]{msg.error}[/]")
+        self.query_one("#result", Static).update("[dim]escape: back to the inspector[/]")
+
+    def action_cancel(self) -> None:
+        if self.finished:
+            self.app.pop_screen()
+            return
+        self.query_one("#status", Label).update("cancelling…")
+        self.workers_cancel()
+
+    def workers_cancel(self) -> None:
+        for w in self.app.workers:
+            if w.group == "merge":
+                w.cancel()

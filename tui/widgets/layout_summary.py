@@ -1,0 +1,38 @@
+"""The layout summary: format, world size, device mesh, parallel degrees, counts, dtypes."""
+
+from __future__ import annotations
+
+from textual.widgets import Static
+
+from core import CheckpointLayout
+from tui.format import human_bytes, human_count
+
+
+def summary_text(layout: CheckpointLayout) -> str:
+    """Rich markup describing ``layout`` (one fact per line)."""
+    d = layout.to_dict()
+    mesh = "none"
+    if layout.mesh_shape:
+        names = layout.mesh_dim_names or ("?",) * len(layout.mesh_shape)
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(names, layout.mesh_shape))
+    par = " ".join(f"{k}={v}" for k, v in d["parallel"].items() if v > 1) or "none"
+    lines = [
+        f"[b]format[/]      {layout.format}",
+        f"[b]world size[/]  {layout.world_size}",
+        f"[b]device mesh[/] {mesh}",
+        f"[b]parallel[/]    {par}",
+        f"[b]tensors[/]     {len(layout.tensors)}   [b]parameters[/] "
+        f"{human_count(layout.parameters)}   [b]size[/] {human_bytes(layout.bytes)}",
+        f"[b]dtypes[/]      " + ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items()),
+        f"[b]config[/]      {layout.config_dir or 'none'}",
+    ]
+    if layout.lora:
+        lines.append(f"[b]LoRA[/]        {layout.lora}")
+    return "\n".join(lines)
+
+
+class LayoutSummary(Static):
+    """Static text view of a layout's summary."""
+
+    def __init__(self, layout: CheckpointLayout, **kw):
+        super().__init__(summary_text(layout), **kw)

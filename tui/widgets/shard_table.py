@@ -1,0 +1,25 @@
+"""Table of a checkpoint's files: rank, size, status."""
+
+from __future__ import annotations
+
+import os
+
+from textual.widgets import DataTable
+
+from core import CheckpointLayout
+from tui.format import human_bytes
+
+
+class ShardTable(DataTable):
+    """One row per source file."""
+
+    def __init__(self, layout: CheckpointLayout, **kw):
+        super().__init__(cursor_type="row", zebra_stripes=True, **kw)
+        self.ckpt = layout
+
+    def on_mount(self) -> None:
+        self.add_columns("rank", "file", "size", "status")
+        for f in self.ckpt.files:
+            status = f.status if f.status == "ok" else f"[red]{f.status}[/]"
+            self.add_row("" if f.rank is None else str(f.rank), os.path.basename(f.path),
+                         human_bytes(f.bytes), status)
