@@ -100,6 +100,7 @@ class InspectorScreen(Screen):
         table = self.query_one("#pieces", DataTable)
         table.clear()
         if not isinstance(t, TensorInfo):
+            table.border_title = "pieces of the selected tensor"
             return
         table.border_title = f"{t.name}: {list(t.shape)} {t.dtype} {t.placement}"
         for p in sorted(t.pieces, key=lambda p: p.global_offsets):

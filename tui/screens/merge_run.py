@@ -42,6 +42,7 @@ class MergeRunScreen(Screen):
         with Vertical(id="run"):
             yield Label(f"merging {self.ckpt.path} -> {self.options.output}", id="what")
             yield Label("planning…", id="status")
+            yield Label("written (all output files)")
             yield ProgressBar(id="overall", show_eta=False)
             yield VerticalScroll(id="sources")
             yield Static("", id="result")
@@ -86,7 +87,7 @@ class MergeRunScreen(Screen):
         box = self.query_one("#sources", VerticalScroll)
         if len(plan.source_bytes) <= MAX_FILE_BARS:
             for i, (path, total) in enumerate(plan.source_bytes.items()):
-                box.mount(Label(os.path.basename(path)))
+                box.mount(Label(f"read {os.path.basename(path)}"))
                 box.mount(ProgressBar(total=total, show_eta=False, id=f"src-{i}"))
 
     def _poll(self) -> None:

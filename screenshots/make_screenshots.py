@@ -1,0 +1,80 @@
+"""Render each screen of the real app on the real sample checkpoint: SVG (Textual) and PNG
+(cairosvg, no browser). Run: ``python screenshots/make_screenshots.py`` (needs the dev extra).
+Writes the sample to a temporary folder with ``shardscope sample``'s writer (torch.distributed,
+gloo, CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from core.sample import write_sample  # noqa: E402
+from tui.app import make_app  # noqa: E402
+from tui.screens.inspector import InspectorScreen  # noqa: E402
+from tui.screens.merge_options import MergeOptionsScreen  # noqa: E402
+from tui.screens.merge_run import MergeRunScreen  # noqa: E402
+
+SIZE = (110, 34)
+
+
+async def wait_for(pilot, cond, tries=200):
+    for _ in range(tries):
+        if cond():
+            return
+        await pilot.pause(0.05)
+    raise RuntimeError("screen did not reach the expected state")
+
+
+def save(app, name: str) -> None:
+    svg = HERE / f"{name}.svg"
+    app.save_screenshot(str(svg))
+    try:
+        import cairosvg
+
+        cairosvg.svg2png(url=str(svg), write_to=str(HERE / f"{name}.png"))
+    except ImportError:
+        print("cairosvg not installed: SVG only", file=sys.stderr)
+    print(f"wrote screenshots/{name}.svg")
+
+
+async def shoot(ckpt: Path, out: Path) -> None:
+    app = make_app(str(ckpt))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await pilot.press("down", "down", "down", "down")
+        await pilot.pause(0.2)
+        save(app, "inspector")
+        await pilot.press("slash", *"q_proj")
+        await pilot.pause(0.3)
+        await pilot.press("enter", "down", "down", "down", "down")
+        await pilot.pause(0.2)
+        save(app, "inspector-filter")
+        await pilot.press("m")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+        app.screen.query_one("#output").value = str(out)
+        await pilot.pause(0.2)
+        save(app, "merge-options")
+        await pilot.click("#ok")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen)
+                       and app.screen.finished)
+        await pilot.pause(0.3)
+        save(app, "merge-done")
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="shardscope-shots-"))
+    try:
+        write_sample(tmp / "global_step_100" / "actor", world_size=4)
+        asyncio.run(shoot(tmp / "global_step_100" / "actor", tmp / "merged_hf"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
