@@ -31,6 +31,12 @@ async def wait_for(pilot, cond, tries=200):
     raise RuntimeError("screen did not reach the expected state")
 
 
+def _walk(node):
+    yield node
+    for c in node.children:
+        yield from _walk(c)
+
+
 def save(app, name: str) -> None:
     svg = HERE / f"{name}.svg"
     app.save_screenshot(str(svg))
@@ -52,8 +58,12 @@ async def shoot(ckpt: Path, out: Path) -> None:
         save(app, "inspector")
         await pilot.press("slash", *"q_proj")
         await pilot.pause(0.3)
-        await pilot.press("enter", "down", "down", "down", "down")
-        await pilot.pause(0.2)
+        await pilot.press("enter")
+        tree = app.screen.query_one("#params")
+        leaf = next(n for n in _walk(tree.root) if n.data is not None and
+                    n.data.name.endswith("q_proj.weight"))
+        tree.move_cursor(leaf)
+        await pilot.pause(0.3)
         save(app, "inspector-filter")
         await pilot.press("m")
         await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
