@@ -47,6 +47,9 @@ class Variant:
     layers: int = 2
     vocab: int = 331
     write_fsdp_config: bool = True
+    #: register persistent buffers (an int64 vector and a 0-d float) that FSDP2 saves as plain
+    #: full-size tensors on every rank; such a model is for bit-exact tests, not from_pretrained
+    buffers: bool = False
 
 
 def tiny_config(v: Variant):
@@ -96,6 +99,9 @@ def build_model(v: Variant):
                 p.add_(torch.randn_like(p) * 0.1)
     if v.dtype == "BF16":
         model = model.to(torch.bfloat16)
+    if v.buffers:
+        model.model.register_buffer("step_count", torch.arange(5, dtype=torch.int64) * 7)
+        model.model.register_buffer("loss_scale", torch.tensor(0.375))
     return model
 
 

@@ -40,6 +40,7 @@ VARIANTS: dict[int, list[Variant]] = {
         Variant("w3-fsdp1-bf16", kind="fsdp1", dtype="BF16", seed=8),
         Variant("w3-dcp", kind="dcp", seed=9),
         Variant("w3-dcp-hf", kind="dcp-hf", family="llama", dtype="BF16", seed=13),
+        Variant("w3-buffers", buffers=True, seed=14),
     ],
     4: [
         Variant("w4-hsdp", mesh_shape=(2, 2), mesh_names=("ddp", "fsdp"), seed=10),

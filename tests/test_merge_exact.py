@@ -108,3 +108,21 @@ def test_uneven_split_layout(fixtures_root):
     assert emb.shape == (331, 64)
     assert [p.shape[0] for p in sorted(emb.pieces, key=lambda p: p.global_offsets)] == \
         [111, 111, 109]
+
+
+def test_replicated_buffers_are_taken_once(fixtures_root, tmp_path):
+    layout = detect(fixtures_root / "w3-buffers")
+    for name in ("model.step_count", "model.loss_scale"):
+        t = layout.tensors[name]
+        assert t.placement == "plain" and len(t.pieces) == 1
+    merge(fixtures_root / "w3-buffers", tmp_path / "out")
+    got = load(tmp_path / "out")
+    assert got["model.step_count"].dtype == torch.int64
+    assert got["model.step_count"].tolist() == [0, 7, 14, 21, 28]
+    assert got["model.loss_scale"].shape == () and got["model.loss_scale"].item() == 0.375
+
+
+def test_inspect_a_hugging_face_folder(fixtures_root):
+    layout = detect(fixtures_root / "w2-qwen2-f32.reference")
+    assert layout.format == "hf" and not layout.problems
+    assert layout.config_dir is not None
