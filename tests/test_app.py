@@ -104,3 +104,48 @@ async def test_cancel_midway_leaves_nothing(fixtures_root, tmp_path, monkeypatch
         assert "cancelled" in str(run.query_one("#status").render())
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+@pytest.mark.asyncio
+async def test_statistics_of_a_sharded_tensor(fixtures_root):
+    import torch
+    from safetensors.torch import load_file
+
+    app = make_app(str(fixtures_root / "w3-llama-f32"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_inspector(pilot, app)
+        tree = screen.query_one("#params", ParamTree)
+        node = next(n for n in _walk(tree.root)
+                    if n.data is not None and n.data.name == "model.embed_tokens.weight")
+        tree.move_cursor(node)
+        await pilot.press("s")
+        await wait_for(pilot, lambda: "mean" in str(screen.query_one("#stats").render()),
+                       tries=200)
+        text = str(screen.query_one("#stats").render())
+    ref = load_file(fixtures_root / "w3-llama-f32.reference" / "model.safetensors")
+    emb = ref["model.embed_tokens.weight"].double()
+    assert f"min {float(emb.min()):.4g}" in text and f"max {float(emb.max()):.4g}" in text
+    assert "NaN 0" in text
+
+
+@pytest.mark.asyncio
+async def test_browser_marks_checkpoints(fixtures_root):
+    from tui.screens.browser import BrowserScreen
+
+    app = make_app(str(fixtures_root))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, BrowserScreen))
+        screen = app.screen
+        screen.sniff(str(fixtures_root / "w4-hsdp"))
+        await wait_for(pilot, lambda: str(fixtures_root / "w4-hsdp") in screen.marks)
+        assert screen.marks[str(fixtures_root / "w4-hsdp")] == "fsdp, 4 rank(s)"
+        screen.highlighted = str(fixtures_root / "w2-dcp")
+        await pilot.press("o")
+        await open_inspector(pilot, app)
+        assert "dcp" in str(app.screen.query_one("#summary").render())
+
+
+def _walk(node):
+    yield node
+    for c in node.children:
+        yield from _walk(c)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from textual import on, work
-from textual.app import App
+from textual.app import App, SystemCommand
 from textual.binding import Binding
 
 from tui.messages import LayoutFailed, LayoutLoaded
@@ -38,7 +38,6 @@ class ShardscopeApp(App):
 
     def open_checkpoint(self, path: str) -> None:
         """Read ``path``'s layout in a thread; the inspector opens when it is loaded."""
-        self.notify(f"reading {path}…", timeout=2)
         self.load_layout(path)
 
     @work(thread=True, group="layout", exclusive=True, exit_on_error=False,
@@ -60,6 +59,16 @@ class ShardscopeApp(App):
     @on(LayoutFailed)
     def _failed(self, msg: LayoutFailed) -> None:
         self.notify(msg.error, severity="error", timeout=8)
+
+    def get_system_commands(self, screen):
+        """The command palette: the app's commands plus one per binding of the screen."""
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Help", "Show the keys", self.action_help)
+        for binding in getattr(screen, "BINDINGS", []):
+            action = getattr(screen, f"action_{binding.action}", None)
+            if action is not None and binding.description:
+                yield SystemCommand(binding.description, binding.tooltip or binding.description,
+                                    action)
 
     def action_help(self) -> None:
         from tui.screens.help import HelpScreen

@@ -60,13 +60,18 @@ class BrowserScreen(Screen):
     @work(thread=True, group="sniff", exclusive=True, exit_on_error=False,
           description="detect format")
     def sniff(self, path: str) -> None:
+        from core import ShardscopeError, detect
         from core.formats import _readers
 
         summary = ""
-        for name, mod in _readers():
-            if mod.sniff(path):
-                summary = name
-                break
+        if any(mod.sniff(path) for _, mod in _readers()):
+            try:
+                layout = detect(path)
+                summary = f"{layout.format}, {layout.world_size} rank(s)"
+                if layout.errors:
+                    summary += f", {len(layout.errors)} problem(s)"
+            except ShardscopeError as e:
+                summary = f"unreadable: {e.message}"
         self.post_message(FolderDetected(path, summary))
 
     @on(FolderDetected)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -29,12 +29,29 @@ def problems_text(layout: CheckpointLayout) -> str:
     return "\n".join(lines + [f"[dim]note: {n}[/]" for n in layout.notes])
 
 
+BARS = " ▁▂▃▄▅▆▇█"
+
+
+def stats_text(st) -> str:
+    """Rich markup for a :class:`core.stats.TensorStats`."""
+    if st.min is None:
+        return f"{st.name}: no finite values (NaN {st.nan}, Inf {st.inf})"
+    peak = max(st.histogram) or 1
+    spark = "".join(BARS[min(8, round(8 * c / peak))] for c in st.histogram)
+    flag = "red" if st.nan or st.inf else "green"
+    return (f"min {st.min:.4g}  max {st.max:.4g}  mean {st.mean:.4g}  std {st.std:.4g}\n"
+            f"[{flag}]NaN {st.nan}  Inf {st.inf}[/]  zeros {st.zeros:.1%}\n"
+            f"[b]{spark}[/]  ({st.min:.3g} .. {st.max:.3g})")
+
+
 class InspectorScreen(Screen):
     """Everything the core knows about one checkpoint."""
 
     BINDINGS = [
         Binding("m", "merge", "Merge", id="merge", tooltip="Merge into a Hugging Face folder"),
         Binding("slash", "filter", "Filter", id="filter", tooltip="Filter the parameter tree"),
+        Binding("s", "stats", "Stats", id="stats",
+                tooltip="Statistics of the selected tensor, read from the shards"),
         Binding("escape", "back", "Back", id="back", tooltip="Back to the browser"),
     ]
 
@@ -63,10 +80,13 @@ class InspectorScreen(Screen):
                 pieces = DataTable(id="pieces", cursor_type="row")
                 pieces.border_title = "pieces of the selected tensor"
                 yield pieces
+                stats = Static("[dim]s: statistics of the selected tensor[/]", id="stats")
+                stats.border_title = "statistics"
+                yield stats
         yield Footer()
 
     def on_mount(self) -> None:
-        self.title = f"shardscope — {self.ckpt.path}"
+        self.title = f"shardscope — {os.path.basename(os.path.abspath(self.ckpt.path))}"
         self.query_one("#filter", Input).display = False
         self.query_one("#pieces", DataTable).add_columns("rank", "file", "offsets", "shape",
                                                          "bytes at")
@@ -107,6 +127,31 @@ class InspectorScreen(Screen):
             table.add_row("" if p.rank is None else str(p.rank), os.path.basename(p.file),
                           str(list(p.global_offsets)), str(list(p.shape)),
                           "deferred" if p.byte_offset < 0 else str(p.byte_offset))
+
+    def selected_tensor(self) -> TensorInfo | None:
+        node = self.query_one("#params", ParamTree).cursor_node
+        return node.data if node is not None and isinstance(node.data, TensorInfo) else None
+
+    def action_stats(self) -> None:
+        t = self.selected_tensor()
+        box = self.query_one("#stats", Static)
+        if t is None:
+            box.update("[yellow]select a tensor first[/]")
+            return
+        box.update(f"reading {t.name} from {len(t.pieces)} piece(s)…")
+        self.compute_stats(t.name)
+
+    @work(thread=True, group="stats", exclusive=True, exit_on_error=False,
+          description="tensor statistics")
+    def compute_stats(self, name: str) -> None:
+        from core import ShardscopeError
+        from core.stats import tensor_stats
+
+        try:
+            text = stats_text(tensor_stats(self.ckpt, name))
+        except ShardscopeError as e:
+            text = f"[red]{e}[/]"
+        self.app.call_from_thread(self.query_one("#stats", Static).update, text)
 
     def action_merge(self) -> None:
         from tui.screens.merge_options import MergeOptionsScreen

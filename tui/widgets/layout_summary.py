@@ -24,11 +24,21 @@ def summary_text(layout: CheckpointLayout) -> str:
         f"[b]tensors[/]     {len(layout.tensors)}   [b]parameters[/] "
         f"{human_count(layout.parameters)}   [b]size[/] {human_bytes(layout.bytes)}",
         f"[b]dtypes[/]      " + ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items()),
-        f"[b]config[/]      {layout.config_dir or 'none'}",
+        f"[b]config[/]      {_short(layout.config_dir, layout.path) or 'none'}",
     ]
     if layout.lora:
         lines.append(f"[b]LoRA[/]        {layout.lora}")
     return "\n".join(lines)
+
+
+def _short(path: str | None, base: str) -> str | None:
+    """``path`` relative to the checkpoint folder when inside it."""
+    import os
+
+    if path is None:
+        return None
+    rel = os.path.relpath(path, base)
+    return path if rel.startswith("..") else rel + "/"
 
 
 class LayoutSummary(Static):

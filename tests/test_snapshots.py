@@ -1,0 +1,64 @@
+"""Snapshot tests (pytest-textual-snapshot) of each screen in a stable state, on real
+fixtures. Update with ``pytest tests/test_snapshots.py --snapshot-update`` after a deliberate
+change, and look at the SVGs before committing them."""
+
+from __future__ import annotations
+
+from tui.app import make_app
+from tui.screens.inspector import InspectorScreen
+from tui.screens.merge_options import MergeOptionsScreen
+
+SIZE = (110, 34)
+
+
+async def _until(pilot, cond, tries=200):
+    for _ in range(tries):
+        if cond():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("screen not reached")
+
+
+def test_inspector(snap_compare, fixtures_root):
+    app = make_app(str(fixtures_root / "w4-hsdp"))
+
+    async def ready(pilot):
+        await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_inspector_filtered(snap_compare, fixtures_root):
+    app = make_app(str(fixtures_root / "w3-llama-f32"))
+
+    async def ready(pilot):
+        await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await pilot.press("slash", *"embed", "enter", "down", "down")
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_merge_options(snap_compare, fixtures_root):
+    app = make_app(str(fixtures_root / "w2-dcp"))
+
+    async def ready(pilot):
+        await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await pilot.press("m")
+        await _until(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+        app.screen.query_one("#output").value = "merged_hf"
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_help(snap_compare, fixtures_root):
+    app = make_app(str(fixtures_root / "w2-qwen2-f32"))
+
+    async def ready(pilot):
+        await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await pilot.press("question_mark")
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
