@@ -285,9 +285,10 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     opts = plan.options
     out = Path(opts.output)
     check_output(out, opts.overwrite, plan.layout.path)
+    warnings = list(plan.warnings)
     for stale in stale_temp_dirs(out):
         shutil.rmtree(stale, ignore_errors=True)
-        plan.warnings.append(f"removed {stale}, left by an interrupted merge")
+        warnings.append(f"removed {stale}, left by an interrupted merge")
     tmp = temp_dir_for(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
@@ -341,7 +342,7 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     finally:
         w.src.close()
     return MergeResult(str(out), written, plan.total_bytes, time.perf_counter() - t0,
-                       plan.tensor_count, list(plan.warnings))
+                       plan.tensor_count, warnings)
 
 
 def _write_config_dtype(src: str, dst: Path, dtype: str) -> None:

@@ -22,8 +22,8 @@ class Difference:
 
 def verify_folder(path: str) -> list[Problem]:
     """Integrity of a Hugging Face folder: ``config.json`` parses, every shard named by the
-    index exists and has a valid header, no key is missing or duplicated, and the embedding
-    agrees with the config's ``vocab_size``/``hidden_size``. Returns problems (empty: sound)."""
+    index exists and has a valid header, no key is missing or duplicated, and the weights agree
+    with the config (:func:`core.checks.config_problems`). Returns problems (empty: sound)."""
     from .formats import hf
 
     root = Path(path)
@@ -37,19 +37,13 @@ def verify_folder(path: str) -> list[Problem]:
         problems.append(Problem("no-config", "config.json is missing", str(cfg_path), "warning"))
         return problems
     try:
-        cfg = json.loads(cfg_path.read_text())
+        json.loads(cfg_path.read_text())
     except ValueError:
         problems.append(Problem("bad-config", "config.json is not valid JSON", str(cfg_path)))
         return problems
-    emb = layout.tensors.get("model.embed_tokens.weight")
-    if emb is not None and len(emb.shape) == 2:
-        vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
-        if vocab is not None and emb.shape[0] != vocab:
-            problems.append(Problem("config-mismatch", f"embedding has {emb.shape[0]} rows, "
-                                    f"config vocab_size is {vocab}", str(cfg_path)))
-        if hidden is not None and emb.shape[1] != hidden:
-            problems.append(Problem("config-mismatch", f"embedding width {emb.shape[1]}, "
-                                    f"config hidden_size is {hidden}", str(cfg_path)))
+    from .checks import config_problems
+
+    problems.extend(config_problems(layout))
     return problems
 
 

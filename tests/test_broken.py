@@ -132,3 +132,162 @@ def test_source_is_never_modified(fixtures_root, tmp_path):
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
              for p in src.rglob("*") if p.is_file()}
     assert before == after
+
+
+def _resave(path: Path, edit) -> None:
+    """Load a real rank file (DTensors load without a process group), edit its state dict,
+    save it back with torch.save."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401 - lets weights_only load DTensors
+
+    sd = torch.load(path, weights_only=True)
+    edit(sd)
+    torch.save(sd, path)
+
+
+def test_ranks_with_different_key_sets(w3):
+    f = w3 / "model_world_size_3_rank_1.pt"
+    _resave(f, lambda sd: sd.pop("model.norm.weight"))
+    assert ("key-mismatch", f.name) in codes(detect(w3))
+
+
+def test_ranks_that_disagree_on_a_placement(w3):
+    f = w3 / "model_world_size_3_rank_2.pt"
+    key = "model.layers.0.mlp.up_proj.weight"
+    _resave(f, lambda sd: sd.__setitem__(key, sd[key]._local_tensor.clone()))
+    assert ("rank-disagreement", f.name) in codes(detect(w3))
+
+
+def _edit_dcp_metadata(ck: Path, edit) -> None:
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(ck)).read_metadata()
+    edit(meta)
+    with open(ck / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+def test_dcp_chunks_that_overlap_or_leave_a_gap(fixtures_root, tmp_path):
+    import dataclasses
+
+    key = "model.layers.1.self_attn.o_proj.weight"
+    ck = copy_checkpoint(fixtures_root / "w3-dcp", tmp_path / "a")
+
+    def overlap(meta):
+        chunks = meta.state_dict_metadata[key].chunks
+        c0 = chunks[0]
+        chunks[0] = dataclasses.replace(c0, sizes=type(c0.sizes)([c0.sizes[0] + 1, *c0.sizes[1:]]))
+
+    _edit_dcp_metadata(ck, overlap)
+    assert ("coverage-overlap", "__1_0.distcp") in codes(detect(ck))
+    ck = copy_checkpoint(fixtures_root / "w3-dcp", tmp_path / "b")
+    _edit_dcp_metadata(ck, lambda meta: meta.state_dict_metadata[key].chunks.pop(1))
+    layout = detect(ck)
+    assert "coverage-gap" in {c for c, _ in codes(layout)}
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3 and "pieces hold" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_that_disagrees_with_the_weights(w3):
+    cfg_path = w3 / "huggingface" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["vocab_size"] += 5
+    cfg["num_hidden_layers"] = 3
+    cfg_path.write_text(json.dumps(cfg))
+    found = [p for p in detect(w3).problems if p.code == "config-mismatch"]
+    assert {Path(p.path).name for p in found} == {"config.json"}
+    text = " ".join(p.message for p in found)
+    assert "vocab_size 336" in text and "num_hidden_layers 3" in text
+
+
+def test_duplicate_key_across_output_shards(fixtures_root, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "o"
+    run_merge(plan_merge(detect(fixtures_root / "w4-fsdp2"),
+                         MergeOptions(str(out), max_shard_size="150KB")))
+    shards = sorted(out.glob("model-*.safetensors"))
+    first, last = load_file(shards[0]), load_file(shards[-1])
+    k = next(iter(first))
+    last[k] = first[k]
+    save_file(last, shards[-1], metadata={"format": "pt"})
+    layout = detect(out)
+    assert ("duplicate-key", shards[-1].name) in codes(layout)
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(out)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "duplicate-key" in r.stdout
+
+
+def test_deep_finds_flipped_bytes_in_tensor_data(w3):
+    import struct
+
+    f = w3 / "model_world_size_3_rank_1.pt"
+    z = zipfile.ZipFile(f)
+    info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(f, "r+b") as fh:
+        fh.seek(info.header_offset)
+        n, m = struct.unpack("<HH", fh.read(30)[26:30])
+        pos = info.header_offset + 30 + n + m + info.file_size // 2
+        fh.seek(pos)
+        b = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([b[0] ^ 0x5A]))
+    assert not detect(w3).problems  # metadata only: the data is not read
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(w3), "--deep", "--json"],
+                       cwd=ROOT, capture_output=True, text=True)
+    probs = json.loads(r.stdout)["problems"]
+    assert [(p["code"], Path(p["path"]).name) for p in probs] == [("checksum-mismatch", f.name)]
+
+
+def test_deep_counts_nan_and_inf(fixtures_root, tmp_path):
+    from core.formats.safetensors_file import read_header
+
+    ref = copy_checkpoint(fixtures_root / "w2-qwen2-f32.reference", tmp_path / "ref")
+    entries, _ = read_header(str(ref / "model.safetensors"))
+    e = next(x for x in entries if x.name == "model.norm.weight")
+    with open(ref / "model.safetensors", "r+b") as fh:
+        fh.seek(e.byte_offset)
+        fh.write(bytes.fromhex("0000c07f") * 3 + bytes.fromhex("0000807f"))  # 3 NaN, 1 +Inf
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(ref), "--deep", "--json"],
+                       cwd=ROOT, capture_output=True, text=True)
+    probs = json.loads(r.stdout)["problems"]
+    assert [(p["code"], p["message"]) for p in probs] == [
+        ("nan-inf", "model.norm.weight: 3 NaN and 1 Inf of 64 values")]
+
+
+KILL_SCRIPT = """
+import sys, time
+from core.execute import _Writer
+real = _Writer.write_tensor
+def slow(self, *a):  # the test's gate: make the merge last long enough to be killed
+    time.sleep(0.2)
+    return real(self, *a)
+_Writer.write_tensor = slow
+from tui.cli import main
+sys.exit(main(["merge", sys.argv[1], "-o", sys.argv[2], "--workers", "1", "-q"]))
+"""
+
+
+def test_kill_9_leaves_no_output_and_the_next_run_cleans_up(fixtures_root, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT,
+                             str(fixtures_root / "w4-fsdp2"), str(out)], cwd=ROOT)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any((tmp_path.glob(".out.shardscope-tmp-*"))):
+        time.sleep(0.02)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    stale = list(tmp_path.glob(".out.shardscope-tmp-*"))
+    assert len(stale) == 1
+    r = merge_cli(fixtures_root / "w4-fsdp2", out)
+    assert r.returncode == 0
+    assert f"removed {stale[0]}" in r.stderr
+    assert not list(tmp_path.glob(".out.shardscope-tmp-*")) and out.is_dir()

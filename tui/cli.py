@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--params", action="store_true", help="list every tensor")
+    i.add_argument("--deep", action="store_true",
+                   help="also read every tensor: check the CRC-32 of torch.save data and count "
+                        "NaN/Inf per tensor (reads all bytes once)")
 
     m = sub.add_parser("merge", help="merge a sharded checkpoint into a Hugging Face folder",
                        epilog=VERL_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,6 +129,9 @@ def cmd_inspect(args) -> int:
     from core import detect
 
     layout = detect(args.path)
+    if args.deep and not any(p.code in ("missing-rank", "missing-file", "unsafe-pickle")
+                             for p in layout.errors):
+        layout.problems.extend(_deep(layout, show=not args.json))
     if args.json:
         d = layout.to_dict()
         if not args.params:
@@ -140,6 +146,24 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _deep(layout, show: bool):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from core.deep import deep_check
+
+    err = Console(stderr=True)
+    if not (show and err.is_terminal):
+        return deep_check(layout)
+    with Progress(console=err, transient=True) as prog:
+        task = prog.add_task("reading every tensor", total=None)
+
+        def update(ev):
+            prog.update(task, completed=ev.done, total=ev.total)
+
+        return deep_check(layout, on_progress=update)
+
+
 def cmd_merge(args) -> int:
     from rich.console import Console
 
@@ -152,7 +176,7 @@ def cmd_merge(args) -> int:
     output = args.output or args.target_dir
     if not path or not output:
         raise UsageError("usage: shardscope merge PATH -o OUT (or --local_dir X --target_dir Y)")
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the width
     log = (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False)) if args.verbose else None
     if log:
         log(f"reading the layout of {path}")

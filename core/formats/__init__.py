@@ -31,7 +31,11 @@ def detect(path: str | os.PathLike) -> CheckpointLayout:
         p = p.parent
     for _, mod in _readers():
         if mod.sniff(str(p)):
-            return mod.read(str(p))
+            from ..checks import config_problems
+
+            layout = mod.read(str(p))
+            layout.problems.extend(config_problems(layout))
+            return layout
     raise BadCheckpointError(
         "not a checkpoint shardscope knows (looked for .metadata, model_world_size_*_rank_*.pt, "
         "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors)",

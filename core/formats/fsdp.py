@@ -132,15 +132,16 @@ class _Builder:
         self.mesh: tuple[tuple[int, ...], tuple[str, ...] | None] | None = None
         self.shard_dims_by_mesh_dim: dict[int, set[str]] = {}
         self.skipped: set[str] = set()
+        self.mesh_reported = False
 
     def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
         t = self.layout.tensors.get(name)
         if t is None:
             t = self.layout.tensors[name] = TensorInfo(name, tuple(shape), dtype, placement)
-        elif t.shape != tuple(shape) or t.dtype != dtype:
+        elif (t.shape, t.dtype, t.placement) != (tuple(shape), dtype, placement):
             self.layout.problems.append(Problem(
-                "rank-disagreement", f"{name}: {tuple(shape)} {dtype} here, {t.shape} {t.dtype} "
-                "in an earlier rank file", path))
+                "rank-disagreement", f"{name}: {tuple(shape)} {dtype} {placement} here, "
+                f"{t.shape} {t.dtype} {t.placement} in an earlier rank file", path))
         return t
 
     def add(self, t: TensorInfo, piece: Piece) -> None:
@@ -196,6 +197,11 @@ class _Builder:
         t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
         if self.mesh is None:
             self.mesh = (mesh_shape, names)
+        elif self.mesh != (mesh_shape, names) and not self.mesh_reported:
+            self.mesh_reported = True
+            self.layout.problems.append(Problem(
+                "mesh-mismatch", f"{name}: device mesh {mesh_shape} {names} here, "
+                f"{self.mesh[0]} {self.mesh[1]} elsewhere", path))
         if coord is None:
             coord = tuple(_unravel(rank, mesh_shape))
         for i, p in enumerate(placements):

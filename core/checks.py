@@ -1,0 +1,43 @@
+"""Checks that need more than one format's facts: the model config against the weights."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .formats.common import read_config
+from .layout import CheckpointLayout, Problem
+
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def config_problems(layout: CheckpointLayout) -> list[Problem]:
+    """``config-mismatch`` problems where ``config.json`` disagrees with the weights: the
+    embedding's rows vs ``vocab_size`` (a padded vocabulary larger than the config is a
+    warning), its width vs ``hidden_size``, the layer count vs ``num_hidden_layers``, and an
+    untied config with no output layer."""
+    cfg = read_config(layout.config_dir)
+    if cfg is None:
+        return []
+    cfg = {**(cfg.get("text_config") or {}), **cfg}
+    where = os.path.join(layout.config_dir, "config.json")
+    out: list[Problem] = []
+    emb = layout.tensors.get("model.embed_tokens.weight")
+    if emb is not None and len(emb.shape) == 2:
+        vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
+        if isinstance(vocab, int) and emb.shape[0] != vocab:
+            out.append(Problem("config-mismatch", f"the embedding has {emb.shape[0]} rows, "
+                               f"config.json says vocab_size {vocab}", where))
+        if isinstance(hidden, int) and emb.shape[1] != hidden:
+            out.append(Problem("config-mismatch", f"the embedding is {emb.shape[1]} wide, "
+                               f"config.json says hidden_size {hidden}", where))
+    layers = {int(m[1]) for n in layout.tensors if (m := LAYER_RE.search(n))}
+    want = cfg.get("num_hidden_layers")
+    if layers and isinstance(want, int) and len(layers) != want:
+        out.append(Problem("config-mismatch", f"the weights hold {len(layers)} layers, "
+                           f"config.json says num_hidden_layers {want}", where))
+    if (cfg.get("tie_word_embeddings") is False and emb is not None
+            and "lm_head.weight" not in layout.tensors):
+        out.append(Problem("config-mismatch", "config.json says the embeddings are untied, but "
+                           "there is no lm_head.weight", where))
+    return out
