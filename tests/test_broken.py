@@ -291,3 +291,37 @@ def test_kill_9_leaves_no_output_and_the_next_run_cleans_up(fixtures_root, tmp_p
     assert r.returncode == 0
     assert f"removed {stale[0]}" in r.stderr
     assert not list(tmp_path.glob(".out.shardscope-tmp-*")) and out.is_dir()
+
+
+def test_ctrl_c_exits_130_and_removes_the_temporary_folder(fixtures_root, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT,
+                             str(fixtures_root / "w4-fsdp2"), str(out)], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any((tmp_path.glob(".out.shardscope-tmp-*"))):
+        time.sleep(0.02)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == "shardscope: interrupted; nothing was written"
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("damage,code", [
+    (lambda b: b[: len(b) // 2], "truncated-file"),
+    (lambda b: b[:8] + b"{not json" + b[17:], "unreadable-file"),
+    (lambda b: (10**9).to_bytes(8, "little") + b[8:], "truncated-file"),
+])
+def test_damaged_safetensors_header(fixtures_root, tmp_path, damage, code):
+    ref = copy_checkpoint(fixtures_root / "w2-qwen2-f32.reference", tmp_path / "ref")
+    f = ref / "model.safetensors"
+    f.write_bytes(damage(f.read_bytes()))
+    layout = detect(ref)
+    assert (code, "model.safetensors") in codes(layout)
+    r = merge_cli(ref, tmp_path / "out")
+    assert r.returncode == 3 and "model.safetensors" in r.stderr
