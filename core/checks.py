@@ -16,11 +16,14 @@ def config_problems(layout: CheckpointLayout) -> list[Problem]:
     embedding's rows vs ``vocab_size`` (a padded vocabulary larger than the config is a
     warning), its width vs ``hidden_size``, the layer count vs ``num_hidden_layers``, and an
     untied config with no output layer."""
+    if layout.config_dir is None:
+        return []
+    where = os.path.join(layout.config_dir, "config.json")
     cfg = read_config(layout.config_dir)
     if cfg is None:
-        return []
-    cfg = {**(cfg.get("text_config") or {}), **cfg}
-    where = os.path.join(layout.config_dir, "config.json")
+        return [Problem("bad-config", "not a readable JSON object", where)]
+    text_cfg = cfg.get("text_config")
+    cfg = {**(text_cfg if isinstance(text_cfg, dict) else {}), **cfg}
     out: list[Problem] = []
     emb = layout.tensors.get("model.embed_tokens.weight")
     if emb is not None and len(emb.shape) == 2:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from .dtypes import ITEMSIZE
-from .errors import BadCheckpointError, MergeCancelled
+from .errors import BadCheckpointError, MergeCancelled, UsageError
 from .layout import Piece
 from .plan import MergePlan, OutputTensor, check_output
 
@@ -186,6 +186,8 @@ def _piece_tensor(p: Piece, src: _Sources):
     from .dtypes import torch_dtype
 
     n = _span(p)
+    if n == 0:
+        return torch.empty(p.shape, dtype=torch_dtype(p.dtype))
     buf = _pread_exact(src.fd(p.file), n * ITEMSIZE[p.dtype], p.byte_offset, p.file)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -290,10 +292,13 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         shutil.rmtree(stale, ignore_errors=True)
         warnings.append(f"removed {stale}, left by an interrupted merge")
     tmp = temp_dir_for(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        raise UsageError(f"cannot write beside the output: {e.strerror}", str(out)) from None
     t0 = time.perf_counter()
     w = _Writer(plan, on_progress, cancel, log)
     try:
@@ -326,10 +331,13 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         for src, rel in plan.copy_files:
             dst = tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            if rel == "config.json" and plan.config_dtype:
-                _write_config_dtype(src, dst, plan.config_dtype)
-            else:
-                shutil.copyfile(src, dst)
+            try:
+                if rel == "config.json" and plan.config_dtype:
+                    _write_config_dtype(src, dst, plan.config_dtype)
+                else:
+                    shutil.copyfile(src, dst)
+            except OSError as e:
+                raise BadCheckpointError(f"cannot copy: {e.strerror}", src) from None
             if log:
                 log(f"copied {rel}")
         if cancel.is_set():
@@ -348,7 +356,13 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
 def _write_config_dtype(src: str, dst: Path, dtype: str) -> None:
     """Copy config.json with its ``dtype``/``torch_dtype`` set to the cast dtype, so
     ``from_pretrained`` loads the model in the dtype it was written in."""
-    cfg = json.loads(Path(src).read_text())
+    try:
+        cfg = json.loads(Path(src).read_text())
+    except ValueError:
+        cfg = None
+    if not isinstance(cfg, dict):  # not ours to fix: copy it as it is
+        shutil.copyfile(src, dst)
+        return
     for key in ("dtype", "torch_dtype"):
         if key in cfg or key == "dtype":
             cfg[key] = dtype

@@ -198,8 +198,13 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     resolve = layout.resolve_piece
     tensors: dict[str, OutputTensor] = {}
     source_bytes: dict[str, int] = {}
+    from .layout import coverage_problems
+
     for name in names:
         t = layout.tensors[name]
+        gaps = coverage_problems(t)  # never write a tensor the pieces do not fill exactly
+        if gaps:
+            raise BadCheckpointError(gaps[0].message, gaps[0].path or layout.path)
         pieces = sorted(t.pieces, key=lambda p: p.global_offsets)
         if resolve is not None:
             pieces = [resolve(p) for p in pieces]

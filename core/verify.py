@@ -115,6 +115,8 @@ def read_tensor(layout, name: str):
     try:
         full = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
         for p in t.pieces:
+            if p.numel == 0:
+                continue
             if layout.resolve_piece is not None:
                 p = layout.resolve_piece(p)
             idx = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.shape))

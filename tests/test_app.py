@@ -47,7 +47,7 @@ async def test_open_filter_and_merge_bit_exact(fixtures_root, tmp_path):
         summary = str(screen.query_one("#summary").render())
         assert "fsdp" in summary and "ddp=2 x fsdp=2" in summary
         tree = screen.query_one("#params", ParamTree)
-        assert len(leaves(tree)) == 27
+        await wait_for(pilot, lambda: len(leaves(tree)) == 27)
         await pilot.press("slash", *"qproj")
         await wait_for(pilot, lambda: len(leaves(tree)) == 4)
         assert all("q_proj" in n for n in leaves(tree))
@@ -115,9 +115,16 @@ async def test_statistics_of_a_sharded_tensor(fixtures_root):
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await open_inspector(pilot, app)
         tree = screen.query_one("#params", ParamTree)
-        node = next(n for n in _walk(tree.root)
-                    if n.data is not None and n.data.name == "model.embed_tokens.weight")
+
+        def find():
+            return next((n for n in _walk(tree.root)
+                         if n.data is not None and n.data.name == "model.embed_tokens.weight"),
+                        None)
+
+        await wait_for(pilot, lambda: find() is not None)
+        node = find()
         tree.move_cursor(node)
+        await wait_for(pilot, lambda: tree.cursor_node is node)
         await pilot.press("s")
         await wait_for(pilot, lambda: "mean" in str(screen.query_one("#stats").render()),
                        tries=200)

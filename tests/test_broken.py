@@ -325,3 +325,49 @@ def test_damaged_safetensors_header(fixtures_root, tmp_path, damage, code):
     assert (code, "model.safetensors") in codes(layout)
     r = merge_cli(ref, tmp_path / "out")
     assert r.returncode == 3 and "model.safetensors" in r.stderr
+
+
+def test_one_byte_in_dcp_metadata_never_gives_a_merge(fixtures_root, tmp_path):
+    ck = copy_checkpoint(fixtures_root / "w3-dcp", tmp_path / "ck")
+    meta = ck / ".metadata"
+    meta.write_bytes(meta.read_bytes().replace(b"chunks", b"c9unks", 1))
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_absurd_world_size_in_a_file_name_does_not_hang(w3):
+    os.rename(w3 / "model_world_size_3_rank_0.pt", w3 / "model_world_size_99999999_rank_0.pt")
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(w3), "--json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3
+    found = {p["code"] for p in json.loads(r.stdout)["problems"]}
+    assert {"mixed-world-size", "missing-rank"} <= found
+
+
+def test_negative_shape_in_a_safetensors_header(tmp_path):
+    import struct
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    head = json.dumps({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, -4]}}).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head)
+    assert ("unreadable-file", "model.safetensors") in codes(detect(d))
+
+
+def test_config_that_is_not_an_object(w3):
+    (w3 / "huggingface" / "config.json").write_text("[1, 2]")
+    assert ("bad-config", "config.json") in codes(detect(w3))
+
+
+def test_empty_tensors_in_deep_inspect_and_verify(fixtures_root, tmp_path):
+    src = fixtures_root / "w3-buffers"
+    assert detect(src).tensors["model.no_elements"].shape == (0, 4)
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(src), "--deep"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "no problems found" in r.stdout, r.stderr
+    run_merge(plan_merge(detect(src), MergeOptions(str(tmp_path / "o"))))
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(tmp_path / "o"),
+                        "--reference", str(fixtures_root / "w3-buffers.reference")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "all tensors match" in r.stdout, r.stdout + r.stderr

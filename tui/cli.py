@@ -123,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:
+        print(f"shardscope: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback
+        print(f"shardscope: unexpected error ({type(e).__name__}: {e}); please report it "
+              "with `-v` output", file=sys.stderr)
+        return 1
 
 
 def cmd_inspect(args) -> int:
@@ -137,13 +144,13 @@ def cmd_inspect(args) -> int:
         if not args.params:
             d.pop("params")
         print(json.dumps(d, indent=2))
-        return 0
-    from rich.console import Console
+    else:
+        from rich.console import Console
 
-    from tui.render import render_layout
+        from tui.render import render_layout
 
-    render_layout(layout, Console(), params=args.params)
-    return 0
+        render_layout(layout, Console(), params=args.params)
+    return 3 if layout.errors else 0
 
 
 def _deep(layout, show: bool):
@@ -209,14 +216,25 @@ def cmd_merge(args) -> int:
 
 
 def _run_cancellable(plan, on_progress, cancel, log):
-    """Run the merge; Ctrl-C sets the cancel event so the core removes its temporary folder."""
+    """Run the merge; Ctrl-C, SIGTERM and SIGHUP set the cancel event and unwind, so the core
+    removes its temporary folder (kill -9 cannot be caught: the next merge cleans up)."""
+    import signal
+
     from core import run_merge
 
+    def stop(signum, frame):
+        cancel.set()
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return run_merge(plan, on_progress=on_progress, cancel=cancel, log=log)
     except KeyboardInterrupt:
         cancel.set()
         raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def cmd_verify(args) -> int:

@@ -51,9 +51,10 @@ def read_config(folder: str | os.PathLike | None) -> dict | None:
     if folder is None:
         return None
     try:
-        return json.loads(Path(folder, "config.json").read_text())
+        cfg = json.loads(Path(folder, "config.json").read_text())
     except (OSError, ValueError):
         return None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def stat_file(path: str, rank: int | None = None) -> SourceFile:

@@ -36,11 +36,14 @@ ACCELERATE_DIRS = ("pytorch_model_fsdp_0", "model")
 def find_dcp_dir(path: str) -> Path | None:
     """The folder holding ``.metadata``: ``path`` itself or accelerate's subfolder."""
     p = Path(path)
-    if (p / ".metadata").is_file():
-        return p
-    for name in ACCELERATE_DIRS:
-        if (p / name / ".metadata").is_file():
-            return p / name
+    try:
+        if (p / ".metadata").is_file():
+            return p
+        for name in ACCELERATE_DIRS:
+            if (p / name / ".metadata").is_file():
+                return p / name
+    except OSError:
+        return None
     return None
 
 
@@ -85,6 +88,19 @@ def model_keys(keys: list[str], planner_data: dict) -> dict[str, str]:
 
 
 def read(path: str) -> CheckpointLayout:
+    """Read a DCP folder's layout (see :func:`_read`); any unexpected content of the
+    ``.metadata`` records becomes :class:`BadCheckpointError` naming that file."""
+    try:
+        return _read(path)
+    except BadCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - damaged records can hold anything
+        d = find_dcp_dir(path)
+        raise BadCheckpointError(f"corrupt DCP metadata ({type(e).__name__}: {e})",
+                                 str((d or Path(path)) / ".metadata")) from None
+
+
+def _read(path: str) -> CheckpointLayout:
     """Read a DCP folder's layout from ``.metadata`` alone (the chunks' byte locations inside
     the ``.distcp`` files are resolved later, by :func:`resolve_piece`).
 
@@ -113,9 +129,12 @@ def read(path: str) -> CheckpointLayout:
             where[(idx.get("fqn"), tuple(idx.get("offset") or ()))] = info
     files: dict[str, int] = {}
     sizes: dict[str, int | None] = {}
-    for name in sorted(os.listdir(d)):
-        if name.endswith(".distcp"):
-            sizes[name] = os.stat(d / name).st_size
+    try:
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".distcp"):
+                sizes[name] = os.stat(d / name).st_size
+    except OSError as e:
+        raise BadCheckpointError(f"cannot list the folder: {e.strerror}", str(d)) from None
     for key, name in names.items():
         tm = sdm[key]
         props = tm.get("properties")
@@ -166,7 +185,7 @@ def read(path: str) -> CheckpointLayout:
     layout.parallel = {"fsdp": layout.world_size} if layout.world_size > 1 else {}
     if skipped:
         layout.notes.append(f"{skipped} non-model or non-tensor entries skipped")
-    if not layout.problems:
+    if not layout.errors:
         for t in layout.tensors.values():
             layout.problems.extend(coverage_problems(t))
     cfg = _config_dir(Path(path), d)

@@ -72,9 +72,14 @@ def read(path: str) -> CheckpointLayout:
     for name, t in layout.tensors.items():
         t.shape = tuple(extents[name])
     ranks = {f.rank for f in layout.files}
-    layout.world_size = len(ranks)
+    layout.world_size = max(ranks) + 1 if ranks else 0
+    for r in sorted(set(range(layout.world_size)) - ranks):
+        layout.problems.append(Problem("missing-rank", f"no shard-{r + 1:05d}-model-*.safetensors "
+                                       f"for rank {r}", str(root)))
+    layout.notes.append("DCP's safetensors files record no global shapes: they are inferred "
+                        "from the pieces, so a missing last rank shows only against a config")
     layout.parallel = {"fsdp": layout.world_size} if layout.world_size > 1 else {}
-    if not layout.problems:
+    if not layout.errors:
         for t in layout.tensors.values():
             layout.problems.extend(coverage_problems(t))
     for c in (root / "huggingface", root):

@@ -23,6 +23,10 @@ from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_prob
 from .common import attach_config, clean_key, problem_for, stat_file
 from .torchsave import DType, Record, TensorRef, read_torch_archive
 
+#: at most this many missing ranks are listed as files / as separate problems
+MAX_LISTED = 1024
+MAX_LISTED_PROBLEMS = 16
+
 VERL_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 ACCELERATE_RE = re.compile(r"^pytorch_model_fsdp_(\d+)_rank(\d+)\.bin$")
 
@@ -217,6 +221,11 @@ class _Builder:
                 f"{pstr} on mesh {mesh_shape} at {coord} gives {shape}", path))
             return
         self._check_fits(name, local, path)
+        if local.dtype != dtype:
+            self.layout.problems.append(Problem(
+                "dtype-mismatch", f"{name}: local shard is {local.dtype}, the DTensor says "
+                f"{dtype}", path))
+            return
         self.add(t, Piece(path, local.byte_offset, local.dtype, local.shape, local.stride,
                           offsets, rank, coord))
 
@@ -291,9 +300,10 @@ def read(path: str) -> CheckpointLayout:
             cfg_world = int(cfg["world_size"])
             if cfg.get("FSDP_version"):
                 layout.notes.append(f"FSDP version {cfg['FSDP_version']} (fsdp_config.json)")
-        except (ValueError, KeyError, TypeError):
-            layout.problems.append(Problem("bad-fsdp-config", "not valid JSON with a world_size",
-                                           str(cfg_path)))
+        except (ValueError, KeyError, TypeError, OverflowError, AttributeError, OSError):
+            layout.problems.append(Problem("bad-fsdp-config", "not a readable JSON object with "
+                                           "an integer world_size", str(cfg_path)))
+            cfg_world = None
     if kind == "verl":
         if len(groups) > 1:
             sizes = sorted(groups)
@@ -314,21 +324,32 @@ def read(path: str) -> CheckpointLayout:
                             "file names")
     layout.world_size = world
     b = _Builder(layout)
-    for r in range(world):
+    missing = [r for r in range(min(world, MAX_LISTED)) if r not in files]
+    n_missing = world - sum(1 for r in files if r < world)
+    for r in sorted(set(missing) | {r for r in files if r < world}):
         name = (f"model_world_size_{world}_rank_{r}.pt" if kind == "verl"
                 else f"pytorch_model_fsdp_{min(groups)}_rank{r}.bin")
         fpath = files.get(r, str(root / name))
         sf = stat_file(fpath, r)
         layout.files.append(sf)
         if sf.status == "missing":
-            layout.problems.append(Problem("missing-rank", f"rank {r} of {world} is missing",
-                                           fpath))
+            if n_missing <= MAX_LISTED_PROBLEMS:
+                layout.problems.append(Problem("missing-rank", f"rank {r} of {world} is "
+                                               "missing", fpath))
             continue
         try:
             b.add_rank(r, fpath, read_torch_archive(fpath).root)
         except BadCheckpointError as e:
             sf.status = "unreadable"
             layout.problems.append(problem_for(e, fpath))
+        except Exception as e:  # noqa: BLE001 - a damaged pickle can hold anything
+            sf.status = "unreadable"
+            layout.problems.append(Problem("unreadable-file", f"unexpected content "
+                                           f"({type(e).__name__}: {e})", fpath))
+    if n_missing > MAX_LISTED_PROBLEMS:
+        layout.problems.append(Problem(
+            "missing-rank", f"{n_missing} of {world} ranks are missing (e.g. ranks "
+            f"{', '.join(map(str, missing[:8]))})", str(root)))
     for r in sorted(files):
         if r >= world:
             layout.problems.append(Problem("extra-rank", f"rank {r} is beyond world size {world}",

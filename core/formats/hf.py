@@ -37,7 +37,10 @@ def read(path: str) -> CheckpointLayout:
     if (root / INDEX).is_file():
         try:
             weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, OSError):
             raise BadCheckpointError("index is not valid JSON with a weight_map",
                                      str(root / INDEX)) from None
         shards = sorted(set(weight_map.values()))

@@ -64,6 +64,8 @@ def read_header(path: str) -> tuple[list[SafetensorsEntry], dict[str, str]]:
             begin, end = (int(x) for x in e["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise BadCheckpointError(f"{name}: malformed header entry", path) from None
+        if any(d < 0 for d in shape) or begin < 0 or end < begin:
+            raise BadCheckpointError(f"{name}: negative shape or offsets in the header", path)
         if dtype not in ITEMSIZE:
             raise BadCheckpointError(f"{name}: unknown dtype {dtype}", path)
         if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0:

@@ -58,6 +58,8 @@ class InspectorScreen(Screen):
     def __init__(self, layout: CheckpointLayout):
         super().__init__()
         self.ckpt = layout
+        # set before mount: a title set in on_mount races the Header's own mount
+        self.title = f"shardscope — {os.path.basename(os.path.abspath(layout.path))}"
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -86,7 +88,6 @@ class InspectorScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.title = f"shardscope — {os.path.basename(os.path.abspath(self.ckpt.path))}"
         self.query_one("#filter", Input).display = False
         self.query_one("#pieces", DataTable).add_columns("rank", "file", "offsets", "shape",
                                                          "bytes at")

@@ -1,0 +1,203 @@
+"""Benchmark: shardscope's merge against the copy floor and the peers, in one run.
+
+    python bench/bench.py [--gb 4] [--world-size 8] [--reps 3] [--cache bench/cache]
+
+Writes (once, cached) a real FSDP2 checkpoint of about ``--gb`` GB of fp32 weights and a DCP
+save of the same model (torch.distributed, gloo, CPU; each rank materialises only its shard),
+then times each job ``--reps`` times and prints one table: median wall time, its ratio to the
+copy floor, peak RSS of the job's process tree, and that peak over the model size. Also times
+``shardscope inspect --json`` on a 64-rank checkpoint and the app's start to its first screen.
+Ratios within one run are what to compare: these machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+# Runs a command and prints the peak RSS (KiB) over its whole process tree, sampled from /proc
+# every 20 ms, plus getrusage's max of any single descendant (which also catches short peaks).
+MEASURE = r"""
+import os, resource, subprocess, sys, time, json
+def tree(pid):
+    out, stack = [], [pid]
+    while stack:
+        p = stack.pop(); out.append(p)
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+def rss(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+t0 = time.perf_counter()
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+peak = 0
+while p.poll() is None:
+    peak = max(peak, sum(rss(q) for q in tree(p.pid)))
+    time.sleep(0.02)
+wall = time.perf_counter() - t0
+peak = max(peak, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+print(json.dumps({"wall": wall, "rss_kib": peak, "rc": p.returncode}))
+"""
+
+COPY_FLOOR = r"""
+import os, sys
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst)
+buf = bytearray(16 << 20)
+with open(os.path.join(dst, "out.bin"), "wb") as out:
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".pt"):
+            with open(os.path.join(src, name), "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    out.write(memoryview(buf)[:n])
+"""
+
+DCP_PEER = r"""
+import sys, torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from safetensors.torch import save_file
+dcp_to_torch_save(sys.argv[1], sys.argv[2] + ".pt")
+sd = torch.load(sys.argv[2] + ".pt", weights_only=True)
+import os; os.makedirs(sys.argv[2])
+save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(sys.argv[2], "model.safetensors"))
+os.remove(sys.argv[2] + ".pt")
+"""
+
+APP_START = r"""
+import asyncio, sys, time
+t0 = time.perf_counter()
+from tui.app import make_app
+from tui.screens.inspector import InspectorScreen
+async def main():
+    app = make_app(sys.argv[1])
+    async with app.run_test(size=(110, 34)) as pilot:
+        while not isinstance(app.screen, InspectorScreen):
+            await pilot.pause(0.01)
+asyncio.run(main())
+"""
+
+
+def measure(cmd: list[str], out: Path | None, reps: int) -> dict:
+    walls, peaks, rc = [], [], 0
+    for _ in range(reps):
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
+            Path(str(out) + ".pt").unlink(missing_ok=True)
+        r = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True,
+                           text=True, cwd=ROOT)
+        d = json.loads(r.stdout.strip().splitlines()[-1])
+        walls.append(d["wall"])
+        peaks.append(d["rss_kib"] * 1024)
+        rc = rc or d["rc"]
+    if out is not None:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"wall": statistics.median(walls), "rss": max(peaks), "rc": rc}
+
+
+def model_bytes(fsdp_dir: Path) -> int:
+    from core import detect
+
+    return detect(fsdp_dir).bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=4.0)
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cache", default=str(HERE / "cache"))
+    ap.add_argument("--work", default=None, help="where outputs go (default: beside the cache)")
+    args = ap.parse_args()
+    from bench.write_ckpt import write_fsdp_and_dcp, write_many_ranks
+
+    cache = Path(args.cache) / f"fsdp2-{args.gb:g}gb-w{args.world_size}"
+    if not (cache / "complete").exists():
+        shutil.rmtree(cache, ignore_errors=True)
+        print(f"writing the checkpoint to {cache} ...", file=sys.stderr)
+        write_fsdp_and_dcp(cache, args.gb, args.world_size)
+        (cache / "complete").write_text("ok")
+    many = Path(args.cache) / "fsdp2-64-ranks"
+    if not (many / "fsdp_config.json").exists():
+        print("writing the 64-rank checkpoint ...", file=sys.stderr)
+        write_many_ranks(many, 64)
+    work = Path(args.work or Path(args.cache) / "work")
+    work.mkdir(parents=True, exist_ok=True)
+    fsdp, dcp = cache / "fsdp", cache / "dcp"
+    size = model_bytes(fsdp)
+    shard_bytes = sum(p.stat().st_size for p in fsdp.glob("*.pt"))
+    exe = [sys.executable, "-m", "tui.cli"]
+    out = work / "out"
+    jobs: list[tuple[str, list[str], Path | None, int | None]] = [
+        ("copy floor (read shards, write same bytes)",
+         [sys.executable, "-c", COPY_FLOOR, str(fsdp), str(out)], out, None),
+        ("shardscope merge fsdp, keep dtype, 5GB shards",
+         exe + ["merge", str(fsdp), "-o", str(out), "-q"], out, 5 * 10**9),
+        ("shardscope merge fsdp, keep dtype, 1GB shards",
+         exe + ["merge", str(fsdp), "-o", str(out), "-q", "--max-shard-size", "1GB"], out,
+         10**9),
+        ("shardscope merge fsdp, --dtype bf16, 5GB shards",
+         exe + ["merge", str(fsdp), "-o", str(out), "-q", "--dtype", "bf16"], out,
+         5 * 10**9),
+        ("shardscope merge dcp, keep dtype, 5GB shards",
+         exe + ["merge", str(dcp), "-o", str(out), "-q"], out, 5 * 10**9),
+        ("peer: dcp_to_torch_save + safetensors save",
+         [sys.executable, "-c", DCP_PEER, str(dcp), str(out)], out, None),
+    ]
+    try:
+        import verl  # noqa: F401
+
+        jobs.append(("peer: verl.model_merger (bf16)",
+                     [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
+                      "--local_dir", str(fsdp), "--target_dir", str(out)], out, None))
+    except ImportError:
+        print("verl is not installed: its merger is not measured", file=sys.stderr)
+    rows = []
+    floor = None
+    for name, cmd, o, shard in jobs:
+        print(f"running: {name}", file=sys.stderr)
+        r = measure(cmd, o, args.reps)
+        floor = floor or r["wall"]
+        rows.append((name, r, shard))
+    inspect = measure(exe + ["inspect", str(many), "--json"], None, args.reps)
+    app = measure([sys.executable, "-c", APP_START, str(fsdp)], None, args.reps)
+    cpu = platform.processor() or platform.machine()
+    print(f"\nmodel: {size / 1e9:.2f} GB of tensors, {shard_bytes / 1e9:.2f} GB in "
+          f"{args.world_size} rank files; {os.cpu_count()} CPUs ({cpu}), "
+          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
+          f"median of {args.reps}\n")
+    print(f"| job | wall s | x floor | peak RSS GB | RSS / model | RSS - shard (MiB) | rc |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r, shard in rows:
+        over = f"{(r['rss'] - min(shard, size)) / 2**20:.0f}" if shard else ""
+        print(f"| {name} | {r['wall']:.2f} | {r['wall'] / floor:.2f} | {r['rss'] / 1e9:.2f} | "
+              f"{r['rss'] / size:.2f} | {over} | {r['rc']} |")
+    print(f"\n`shardscope inspect --json`, 64 ranks: {inspect['wall']:.2f} s (whole process); "
+          f"app start to first screen: {app['wall']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Write large benchmark checkpoints with real torch.distributed, materialising only each
+rank's shard (the model is built on the meta device, sharded by FSDP2, then ``to_empty``).
+
+- ``write_fsdp_and_dcp(out, gb, world)``: verl-layout FSDP2 rank files and a DCP save of the
+  same sharded model, gloo on the CPU, ``world`` processes.
+- ``write_many_ranks(out, world)``: a small model saved by ``world`` ranks in ONE process, each
+  rank in turn under torch's ``fake`` process-group backend (a ``FakeStore``), for the
+  64-rank inspect timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def bench_config(gb: float):
+    """A Qwen2-family config of about ``gb`` GB of fp32 weights (untied embeddings)."""
+    from transformers import AutoConfig
+
+    hidden, inter, vocab = 2048, 5504, 32000
+    per_layer = 4 * (hidden * hidden + hidden * 256 * 2 // 2) + 3 * hidden * inter
+    layers = max(1, round((gb * 1e9 / 4 - 2 * vocab * hidden) / per_layer))
+    return AutoConfig.for_model("qwen2", vocab_size=vocab, hidden_size=hidden,
+                                intermediate_size=inter, num_hidden_layers=layers,
+                                num_attention_heads=16, num_key_value_heads=4,
+                                tie_word_embeddings=False, max_position_embeddings=256)
+
+
+def _shard_on_meta(config, mesh):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02)
+    return model
+
+
+def _rank(rank: int, world: int, port: int, out: str, gb: float) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    config = bench_config(gb)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    model = _shard_on_meta(config, mesh)
+    sd = model.state_dict()
+    fsdp_dir, dcp_dir = Path(out, "fsdp"), Path(out, "dcp")
+    torch.save(sd, fsdp_dir / f"model_world_size_{world}_rank_{rank}.pt")
+    dcp.save(sd, checkpoint_id=str(dcp_dir))
+    if rank == 0:
+        (fsdp_dir / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2,
+                                                               "world_size": world}))
+        config.save_pretrained(fsdp_dir / "huggingface")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_fsdp_and_dcp(out: str | os.PathLike, gb: float, world: int) -> None:
+    import torch.multiprocessing as mp
+
+    from core.sample import _free_port
+
+    for d in ("fsdp", "dcp"):
+        Path(out, d).mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank, args=(world, _free_port(), str(out), gb), nprocs=world,
+                       start_method="spawn", join=True)
+
+
+def write_many_ranks(out: str | os.PathLike, world: int) -> None:
+    """``world`` rank files of a small Qwen2 model, each written by its own rank under the
+    ``fake`` backend, one rank after another in this process."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoConfig
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model("qwen2", vocab_size=4096, hidden_size=256,
+                                  intermediate_size=704, num_hidden_layers=24,
+                                  num_attention_heads=8, num_key_value_heads=2)
+    for rank in range(world):
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        model = _shard_on_meta(config, mesh)
+        torch.save(model.state_dict(), out / f"model_world_size_{world}_rank_{rank}.pt")
+        dist.destroy_process_group()
+    (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
