@@ -19,8 +19,8 @@ def bench_config(gb: float):
     """A Qwen2-family config of about ``gb`` GB of fp32 weights (untied embeddings)."""
     from transformers import AutoConfig
 
-    hidden, inter, vocab = 2048, 5504, 32000
-    per_layer = 4 * (hidden * hidden + hidden * 256 * 2 // 2) + 3 * hidden * inter
+    hidden, inter, vocab, kv = 2048, 5504, 32000, 4 * 128  # 4 KV heads of 128
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter
     layers = max(1, round((gb * 1e9 / 4 - 2 * vocab * hidden) / per_layer))
     return AutoConfig.for_model("qwen2", vocab_size=vocab, hidden_size=hidden,
                                 intermediate_size=inter, num_hidden_layers=layers,
@@ -83,22 +83,37 @@ def write_fsdp_and_dcp(out: str | os.PathLike, gb: float, world: int) -> None:
 
 def write_many_ranks(out: str | os.PathLike, world: int) -> None:
     """``world`` rank files of a small Qwen2 model, each written by its own rank under the
-    ``fake`` backend, one rank after another in this process."""
+    ``fake`` backend, one rank after another in this process.
+
+    Each value is a ``DTensor.from_local`` of that rank's ``Shard(0)`` rows on a 1-D ``fsdp``
+    mesh — what FSDP2's ``state_dict`` returns. (``fully_shard`` itself cannot be used here:
+    run for many ranks in one process, its parameters pick up a cached device mesh of the
+    first rank.)"""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.for_model("qwen2", vocab_size=4096, hidden_size=256,
                                   intermediate_size=704, num_hidden_layers=24,
                                   num_attention_heads=8, num_key_value_heads=2)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in
+                  AutoModelForCausalLM.from_config(config).state_dict().items()}
     for rank in range(world):
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-        model = _shard_on_meta(config, mesh)
-        torch.save(model.state_dict(), out / f"model_world_size_{world}_rank_{rank}.pt")
+        sd = {}
+        for k, shape in shapes.items():
+            chunk = -(-shape[0] // world)
+            rows = max(0, min(chunk, shape[0] - rank * chunk))
+            local = torch.empty((rows, *shape[1:])).normal_(0, 0.02)
+            sd[k] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+                                       stride=torch.empty(shape, device="meta").stride())
+        torch.save(sd, out / f"model_world_size_{world}_rank_{rank}.pt")
         dist.destroy_process_group()
     (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))

@@ -195,6 +195,30 @@ def _piece_tensor(p: Piece, src: _Sources):
     return flat.as_strided(p.shape, p.stride)
 
 
+def assemble(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src: _Sources):
+    """The full tensor (torch, ``dtype``) filled from its located ``pieces``."""
+    import torch
+
+    from .dtypes import torch_dtype
+
+    full = torch.empty(shape, dtype=torch_dtype(dtype))
+    for p in pieces:
+        if p.numel == 0:
+            continue
+        idx = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.shape))
+        full[idx].copy_(_piece_tensor(p, src))
+    return full
+
+
+def fold_lora(w, a, b, scale: float, out_dtype):
+    """``W + (B @ A) * scale`` computed in float32 and cast once to ``out_dtype``, in the order
+    peft's ``merge_and_unload`` uses (delta in the adapter's fp32, one rounding at the end)."""
+    import torch
+
+    delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
+    return (w.to(torch.float32) + delta).to(out_dtype)
+
+
 def _row_blocks(t: OutputTensor) -> bool:
     """True when the pieces are whole rows (every dim but the first complete) that follow each
     other: then the output bytes are the pieces' bytes in order."""
@@ -238,7 +262,19 @@ class _Writer:
             raise MergeCancelled("merge cancelled")
         from .dtypes import torch_dtype
 
-        if _row_blocks(t):
+        if t.fold is not None:
+            f = t.fold
+            w = assemble(t.pieces, t.shape, t.source.dtype, self.src)
+            a = assemble(f.a_pieces, f.a.shape, f.a.dtype, self.src)
+            b = assemble(f.b_pieces, f.b.shape, f.b.dtype, self.src)
+            x = fold_lora(w, a, b, f.scale, torch_dtype(t.dtype)).contiguous()
+            import torch
+
+            _pwrite_all(dst, x.reshape(-1).view(torch.uint8).numpy(), offset)
+            for p in (*t.pieces, *f.a_pieces, *f.b_pieces):
+                self._report(p, 0)
+            self._report(None, t.nbytes)
+        elif _row_blocks(t):
             pos = offset
             for p in t.pieces:
                 if self.cancel.is_set():
@@ -256,12 +292,8 @@ class _Writer:
         else:
             import torch
 
-            full = torch.empty(t.shape, dtype=torch_dtype(t.source.dtype))
+            full = assemble(t.pieces, t.shape, t.source.dtype, self.src)
             for p in t.pieces:
-                if self.cancel.is_set():
-                    raise MergeCancelled("merge cancelled")
-                idx = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.shape))
-                full[idx].copy_(_piece_tensor(p, self.src))
                 self._report(p, 0)
             full = full.to(torch_dtype(t.dtype)).contiguous()
             _pwrite_all(dst, full.reshape(-1).view(torch.uint8).numpy(), offset)
@@ -306,6 +338,7 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         with ThreadPoolExecutor(max(1, opts.workers), thread_name_prefix="shardscope") as pool:
             for of in plan.files:
                 fpath = tmp / of.name
+                fpath.parent.mkdir(parents=True, exist_ok=True)
                 header = safetensors_header(of.tensors)
                 fd = os.open(fpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
@@ -328,6 +361,9 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         if plan.index is not None:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps(plan.index, indent=2) + "\n")
+        for rel, data in plan.generated.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
         for src, rel in plan.copy_files:
             dst = tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)

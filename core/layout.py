@@ -118,7 +118,8 @@ class CheckpointLayout:
     config_dir: str | None = None
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    lora: dict[str, Any] | None = None
+    #: :class:`core.lora.LoraInfo` when the checkpoint holds LoRA adapters
+    lora: Any = None
     #: turns a piece whose ``byte_offset`` is -1 (not located yet, e.g. a DCP chunk) into a
     #: located one; set by readers that defer that work past inspection
     resolve_piece: Any = field(default=None, repr=False, compare=False)
@@ -168,7 +169,7 @@ class CheckpointLayout:
             "problems": [{"code": p.code, "message": p.message, "path": p.path,
                           "severity": p.severity} for p in self.problems],
             "notes": list(self.notes),
-            "lora": self.lora,
+            "lora": self.lora.to_dict() if hasattr(self.lora, "to_dict") else self.lora,
             "params": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
                         "placement": t.placement, "pieces": len(t.pieces)}
                        for t in self.tensors.values()],

@@ -13,7 +13,10 @@ from pathlib import Path
 from .dtypes import FLOATING, ITEMSIZE, USER_DTYPES
 from .errors import BadCheckpointError, OutputExistsError, UsageError
 from .formats.common import config_files, read_config
-from .layout import CheckpointLayout, Piece, TensorInfo
+from . import lora as lora_mod
+from .layout import CheckpointLayout, Piece, TensorInfo, coverage_problems
+
+ADAPTER_DIR = "lora_adapter"
 
 #: names of an output layer that ties to the input embedding (transformers' convention)
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
@@ -35,6 +38,21 @@ class MergeOptions:
     overwrite: bool = False
     hf_config: str | None = None
     workers: int = field(default_factory=lambda: min(32, os.cpu_count() or 1))
+    #: LoRA handling when the checkpoint has an adapter: fold, adapter, both or base
+    lora: str | None = None
+    lora_adapter: str | None = None
+    lora_alpha: float | None = None
+
+
+@dataclass
+class Fold:
+    """``W + scale * B @ A`` for one weight: the adapter tensors and their located pieces."""
+
+    a: TensorInfo
+    a_pieces: list[Piece]
+    b: TensorInfo
+    b_pieces: list[Piece]
+    scale: float
 
 
 @dataclass
@@ -47,6 +65,7 @@ class OutputTensor:
     dtype: str
     source: TensorInfo
     pieces: list[Piece]
+    fold: Fold | None = None
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +98,8 @@ class MergePlan:
     warnings: list[str] = field(default_factory=list)
     #: torch dtype name to write into config.json when the merge casts (``--dtype``), else None
     config_dtype: str | None = None
+    #: files made by the plan itself (relative name -> bytes), e.g. adapter_config.json
+    generated: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -188,33 +209,127 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
                         "weights only and will not load with from_pretrained")
     tied = tie_word_embeddings(config_dir)
-    names = sorted(layout.tensors, key=natural_key)
+    lora, adapter = _lora_choice(layout, options)
+    mode = options.lora if lora is not None else None
+    # output name -> source tensor name
+    mapping: dict[str, str] = {}
+    for name in layout.tensors:
+        out_name = name if mode is None else lora_mod.output_name(name, mode, adapter.name)
+        if out_name is not None:
+            mapping[out_name] = name
     for out_name, emb in TIED_PAIRS:
-        if tied and out_name in layout.tensors and emb in layout.tensors:
-            names.remove(out_name)  # FSDP/DCP keep the tied copy; HF files must not
-        elif tied is False and out_name not in layout.tensors and emb in layout.tensors:
+        if tied and out_name in mapping and emb in mapping:
+            del mapping[out_name]  # FSDP/DCP keep the tied copy; HF files must not
+        elif tied is False and out_name not in mapping and emb in mapping:
             raise BadCheckpointError(f"the config says the embeddings are untied, but the "
                                      f"checkpoint has no {out_name}", config_dir)
-    resolve = layout.resolve_piece
-    tensors: dict[str, OutputTensor] = {}
     source_bytes: dict[str, int] = {}
-    from .layout import coverage_problems
 
-    for name in names:
-        t = layout.tensors[name]
+    def located(t: TensorInfo) -> list[Piece]:
         gaps = coverage_problems(t)  # never write a tensor the pieces do not fill exactly
         if gaps:
             raise BadCheckpointError(gaps[0].message, gaps[0].path or layout.path)
         pieces = sorted(t.pieces, key=lambda p: p.global_offsets)
-        if resolve is not None:
-            pieces = [resolve(p) for p in pieces]
+        if layout.resolve_piece is not None:
+            pieces = [layout.resolve_piece(p) for p in pieces]
         for p in pieces:
             source_bytes[p.file] = source_bytes.get(p.file, 0) + p.nbytes
+        return pieces
+
+    lora_src = _lora_sources(layout, adapter) if adapter is not None else {}
+    tensors: dict[str, OutputTensor] = {}
+    for out_name in sorted(mapping, key=natural_key):
+        t = layout.tensors[mapping[out_name]]
         dtype = target if target and t.dtype in FLOATING else t.dtype
-        tensors[name] = OutputTensor(name, t.shape, dtype, t, pieces)
+        ot = OutputTensor(out_name, t.shape, dtype, t, located(t))
+        module = out_name.rsplit(".", 1)[0]
+        if mode in ("fold", "both") and out_name.endswith(".weight") and module in lora_src:
+            a, b = lora_src[module]
+            if (b.shape[0], a.shape[1]) != t.shape:
+                raise BadCheckpointError(f"{module}: lora_B @ lora_A is {(b.shape[0], a.shape[1])}"
+                                         f", the weight is {t.shape}", layout.path)
+            ot.fold = Fold(a, located(a), b, located(b), adapter.scale)
+        tensors[out_name] = ot
     files, index = _shard(tensors, max_shard)
+    generated: dict[str, bytes] = {}
+    if mode in ("adapter", "both"):
+        atensors = []
+        for module, (a, b) in sorted(lora_src.items(), key=lambda kv: natural_key(kv[0])):
+            for kind, t in (("lora_A", a), ("lora_B", b)):
+                atensors.append(OutputTensor(lora_mod.adapter_key(module, kind), t.shape,
+                                             t.dtype, t, located(t)))
+        files.append(OutputFile(f"{ADAPTER_DIR}/adapter_model.safetensors", atensors))
+        modules = {n.rsplit(".", 1)[0] for n in mapping}
+        generated[f"{ADAPTER_DIR}/adapter_config.json"] = lora_mod.adapter_config_json(
+            adapter, modules)
+    if lora is not None and mode == "both":
+        warnings.append(f"{ADAPTER_DIR}/ applies to the base model, not to the folded one")
     config_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(target or "")
-    return MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype)
+    return MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype,
+                     generated)
+
+
+def _lora_choice(layout: CheckpointLayout, options: MergeOptions):
+    """(LoraInfo, chosen AdapterInfo) or (None, None). Raises UsageError when the user must
+    choose (mode, adapter name), when alpha is unknown but needed, or for unsupported
+    variants."""
+    lora = layout.lora
+    if lora is None or not hasattr(lora, "adapters"):
+        if options.lora not in (None, "base"):
+            raise UsageError(f"--lora {options.lora}: this checkpoint holds no LoRA adapter")
+        return None, None
+    if options.lora is None:
+        raise UsageError(f"the checkpoint holds LoRA ({lora.summary()}): choose --lora fold "
+                         "(into the weights), adapter (base + PEFT folder), both, or base "
+                         "(drop it)")
+    if options.lora not in lora_mod.MODES:
+        raise UsageError(f"--lora must be one of {', '.join(lora_mod.MODES)}")
+    if lora.unsupported and options.lora != "base":
+        raise UsageError(f"not supported yet: {', '.join(lora.unsupported)}; --lora base "
+                         "writes the base weights alone")
+    names = sorted(lora.adapters)
+    if options.lora_adapter:
+        if options.lora_adapter not in lora.adapters:
+            raise UsageError(f"no adapter named {options.lora_adapter!r} (found: "
+                             f"{', '.join(names)})")
+        adapter = lora.adapters[options.lora_adapter]
+    elif len(names) == 1:
+        adapter = lora.adapters[names[0]]
+    else:
+        raise UsageError(f"several adapters ({', '.join(names)}): choose one with "
+                         "--lora-adapter NAME")
+    if options.lora_alpha is not None:
+        if options.lora_alpha <= 0:
+            raise UsageError("--lora-alpha must be positive")
+        import dataclasses
+
+        adapter = dataclasses.replace(adapter, lora_alpha=float(options.lora_alpha),
+                                      alpha_source="--lora-alpha")
+    if adapter.lora_alpha is None and options.lora != "base":
+        raise UsageError(f"adapter {adapter.name!r}: lora_alpha is not recorded in the "
+                         "checkpoint (no lora_train_meta.json or lora_adapter/"
+                         "adapter_config.json); pass the run's value with --lora-alpha, "
+                         "shardscope never invents one")
+    if adapter.modules_to_save and options.lora in ("adapter", "both"):
+        raise UsageError(f"adapter {adapter.name!r} has modules_to_save "
+                         f"({', '.join(adapter.modules_to_save)}): exporting them in a PEFT "
+                         "folder is not supported yet; --lora fold or base work")
+    return lora, adapter
+
+
+def _lora_sources(layout: CheckpointLayout, adapter) -> dict[str, tuple[TensorInfo, TensorInfo]]:
+    """module -> (lora_A, lora_B) tensors of ``adapter``."""
+    out = {}
+    for module in adapter.modules:
+        a = layout.tensors.get(f"{lora_mod.PREFIX}{module}.lora_A.{adapter.name}.weight") or \
+            layout.tensors.get(f"{module}.lora_A.{adapter.name}.weight")
+        b = layout.tensors.get(f"{lora_mod.PREFIX}{module}.lora_B.{adapter.name}.weight") or \
+            layout.tensors.get(f"{module}.lora_B.{adapter.name}.weight")
+        if a is None or b is None:
+            raise BadCheckpointError(f"{module}: adapter {adapter.name!r} lacks lora_A or "
+                                     "lora_B", layout.path)
+        out[module] = (a, b)
+    return out
 
 
 def _shard(tensors: dict[str, OutputTensor], max_shard: int):

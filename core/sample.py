@@ -50,6 +50,9 @@ class Variant:
     #: register persistent buffers (an int64 vector and a 0-d float) that FSDP2 saves as plain
     #: full-size tensors on every rank; such a model is for bit-exact tests, not from_pretrained
     buffers: bool = False
+    #: LoRA: "" for none, else "qv" (r=8, alpha=16 on q_proj/v_proj) or "rslora" (r=4,
+    #: alpha=8, rsLoRA, on k_proj/o_proj/gate_proj), built with peft, lora_B non-zero
+    lora: str = ""
 
 
 def tiny_config(v: Variant):
@@ -104,6 +107,48 @@ def build_model(v: Variant):
         model.model.register_buffer("loss_scale", torch.tensor(0.375))
         model.model.register_buffer("no_elements", torch.zeros(0, 4))
     return model
+
+
+LORA_PRESETS = {
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "rslora": dict(r=4, lora_alpha=8, use_rslora=True,
+                   target_modules=["k_proj", "o_proj", "gate_proj"]),
+    "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj"]),
+    # two adapters ("default" active, "second" beside it) and a modules_to_save copy
+    "multi": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                  modules_to_save=["lm_head"]),
+}
+
+
+def add_lora(model, v: Variant):
+    """Wrap ``model`` with a peft LoRA adapter of the variant's preset; lora_B is drawn at
+    random (peft starts it at zero, which would hide every mistake in a merge)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM",
+                                                  **LORA_PRESETS[v.lora]))
+    if v.lora == "multi":
+        peft_model.add_adapter("second", LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4,
+                                                    target_modules=["up_proj"]))
+        peft_model.set_adapter("default")
+    torch.manual_seed(v.seed + 100)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.copy_(torch.randn_like(p) * 0.05)
+    return peft_model
+
+
+def _write_lora_references(peft_model, root: Path, v: Variant) -> None:
+    """The unsharded answers: ``.fold`` (peft's merge_and_unload), ``.base`` (peft's unload,
+    which keeps trained ``modules_to_save`` copies), ``.adapter`` (peft's own adapter folder);
+    ``.reference`` (written before peft wrapped the model) is the untouched base."""
+    import copy
+
+    copy.deepcopy(peft_model).merge_and_unload().save_pretrained(root / f"{v.name}.fold")
+    copy.deepcopy(peft_model).unload().save_pretrained(root / f"{v.name}.base")
+    peft_model.save_pretrained(root / f"{v.name}.adapter")
 
 
 def _free_port() -> int:
@@ -164,13 +209,23 @@ def _write_variant(rank: int, world: int, root: Path, v: Variant, reference: boo
 
     out = root / v.name
     model = build_model(v)
+    hf_model = model
+    if rank == 0 and reference:
+        model.save_pretrained(root / f"{v.name}.reference")
+        tiny_tokenizer(v.vocab).save_pretrained(root / f"{v.name}.reference")
+    if v.lora:
+        model = add_lora(model, v)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        if reference:
-            model.save_pretrained(root / f"{v.name}.reference")
-            tiny_tokenizer(v.vocab).save_pretrained(root / f"{v.name}.reference")
+        if reference and v.lora:
+            _write_lora_references(model, root, v)
+        if v.lora:
+            cfg = LORA_PRESETS[v.lora]
+            (out / "lora_train_meta.json").write_text(json.dumps(
+                {"r": cfg["r"], "lora_alpha": cfg["lora_alpha"], "task_type": "CAUSAL_LM",
+                 "use_rslora": cfg.get("use_rslora", False)}))
     dist.barrier()
-    layers = model.model.layers
+    layers = hf_model.model.layers
     if v.kind == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import StateDictType
@@ -195,7 +250,7 @@ def _write_variant(rank: int, world: int, root: Path, v: Variant, reference: boo
             if v.write_fsdp_config:
                 (out / "fsdp_config.json").write_text(json.dumps(
                     {"FSDP_version": 1 if v.kind == "fsdp1" else 2, "world_size": world}))
-            _hf_files(model, v, out / "huggingface")
+            _hf_files(hf_model, v, out / "huggingface")
     elif v.kind == "dcp-hf":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -203,7 +258,7 @@ def _write_variant(rank: int, world: int, root: Path, v: Variant, reference: boo
         dcp.save(dict(sd), storage_writer=HuggingFaceStorageWriter(str(out),
                                                                   save_distributed=True))
         if rank == 0:
-            _hf_files(model, v, out / "huggingface")
+            _hf_files(hf_model, v, out / "huggingface")
     elif v.kind == "accelerate-rank":
         torch.save(sd, out / f"pytorch_model_fsdp_0_rank{rank}.bin")
     elif v.kind in ("dcp", "dcp-accelerate"):

@@ -105,22 +105,13 @@ def _value_difference(xa, xb, atol, rtol) -> str:
 
 def read_tensor(layout, name: str):
     """The full tensor ``name`` of ``layout``, read from its pieces (a torch tensor)."""
-    import torch
-
-    from .dtypes import torch_dtype
-    from .execute import _piece_tensor, _Sources
+    from .execute import _Sources, assemble
 
     t = layout.tensors[name]
+    pieces = [p if layout.resolve_piece is None or p.numel == 0 else layout.resolve_piece(p)
+              for p in t.pieces]
     src = _Sources()
     try:
-        full = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-        for p in t.pieces:
-            if p.numel == 0:
-                continue
-            if layout.resolve_piece is not None:
-                p = layout.resolve_piece(p)
-            idx = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.shape))
-            full[idx].copy_(_piece_tensor(p, src))
-        return full
+        return assemble(pieces, t.shape, t.dtype, src)
     finally:
         src.close()

@@ -33,6 +33,9 @@ VARIANTS: dict[int, list[Variant]] = {
         Variant("w2-dcp-accelerate", kind="dcp-accelerate", dtype="BF16", seed=3),
         Variant("w2-accelerate-rank", kind="accelerate-rank", seed=4),
         Variant("w2-no-fsdp-config", write_fsdp_config=False, seed=5),
+        Variant("w2-lora-qv", lora="qv", seed=30),
+        Variant("w2-lora-dora", lora="dora", seed=31),
+        Variant("w2-lora-multi", lora="multi", seed=32),
     ],
     3: [
         Variant("w3-llama-f32", family="llama", seed=6),
@@ -41,6 +44,7 @@ VARIANTS: dict[int, list[Variant]] = {
         Variant("w3-dcp", kind="dcp", seed=9),
         Variant("w3-dcp-hf", kind="dcp-hf", family="llama", dtype="BF16", seed=13),
         Variant("w3-buffers", buffers=True, seed=14),
+        Variant("w3-lora-rslora-bf16", lora="rslora", dtype="BF16", seed=33),
     ],
     4: [
         Variant("w4-hsdp", mesh_shape=(2, 2), mesh_names=("ddp", "fsdp"), seed=10),
@@ -49,8 +53,9 @@ VARIANTS: dict[int, list[Variant]] = {
         Variant("w4-fsdp2", seed=12),
     ],
 }
-ALL = [v for vs in VARIANTS.values() for v in vs]
-BY_NAME = {v.name: v for v in ALL}
+ALL = [v for vs in VARIANTS.values() for v in vs if not v.lora]
+LORA = [v for vs in VARIANTS.values() for v in vs if v.lora]
+BY_NAME = {v.name: v for v in ALL + LORA}
 
 
 def _cache_root() -> Path:

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--overwrite", action="store_true", help="replace an existing output")
     m.add_argument("--workers", type=int, default=min(32, os.cpu_count() or 1),
                    help="threads moving bytes (default: min(32, CPUs))")
+    m.add_argument("--lora", choices=["fold", "adapter", "both", "base"],
+                   help="when the checkpoint holds a LoRA adapter: fold it into the weights, "
+                        "write the base model plus a PEFT folder (OUT/lora_adapter), both, or "
+                        "the base alone")
+    m.add_argument("--lora-adapter", metavar="NAME", help="which adapter, when there are several")
+    m.add_argument("--lora-alpha", type=float,
+                   help="the run's lora_alpha, when the checkpoint does not record it")
     m.add_argument("-v", "--verbose", action="store_true", help="log each step")
     m.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     # verl.model_merger's flags
@@ -190,7 +197,8 @@ def cmd_merge(args) -> int:
     layout = detect(path)
     opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
-                        workers=max(1, args.workers))
+                        workers=max(1, args.workers), lora=args.lora,
+                        lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha)
     plan = plan_merge(layout, opts)
     for w in plan.warnings:
         err.print(f"[yellow]warning:[/] {w}", highlight=False)

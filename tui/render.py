@@ -39,6 +39,8 @@ def render_layout(layout: CheckpointLayout, console: Console, params: bool = Fal
     s.add_row("bytes", f"{_human(layout.bytes)} ({layout.bytes:,})")
     s.add_row("dtypes", ", ".join(f"{k} x{v}" for k, v in layout.dtypes.items()))
     s.add_row("config", layout.config_dir or "none (merge with --hf-config DIR)")
+    if layout.lora is not None:
+        s.add_row("LoRA", layout.lora.summary())
     console.print(s)
     t = Table("rank", "file", "size", "status", title="shard files", title_justify="left")
     for f in layout.files:

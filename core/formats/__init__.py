@@ -33,8 +33,12 @@ def detect(path: str | os.PathLike) -> CheckpointLayout:
         if mod.sniff(str(p)):
             from ..checks import config_problems
 
+            from ..lora import detect_lora
+
             layout = mod.read(str(p))
             layout.problems.extend(config_problems(layout))
+            layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
+                                      layout.path)
             return layout
     raise BadCheckpointError(
         "not a checkpoint shardscope knows (looked for .metadata, model_world_size_*_rank_*.pt, "

@@ -137,6 +137,7 @@ class _Builder:
         self.shard_dims_by_mesh_dim: dict[int, set[str]] = {}
         self.skipped: set[str] = set()
         self.mesh_reported = False
+        self.seen: set[tuple] = set()
 
     def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
         t = self.layout.tensors.get(name)
@@ -151,9 +152,10 @@ class _Builder:
     def add(self, t: TensorInfo, piece: Piece) -> None:
         if piece.numel == 0:
             return
-        for q in t.pieces:  # replicas (HSDP, replicated buffers): keep the first copy
-            if q.global_offsets == piece.global_offsets and q.shape == piece.shape:
-                return
+        key = (t.name, piece.global_offsets, piece.shape)
+        if key in self.seen:  # replicas (HSDP, replicated buffers): keep the first copy
+            return
+        self.seen.add(key)
         t.pieces.append(piece)
 
     def add_rank(self, rank: int, path: str, root) -> None:
