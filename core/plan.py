@@ -209,7 +209,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
                         "weights only and will not load with from_pretrained")
     tied = tie_word_embeddings(config_dir)
-    lora, adapter = _lora_choice(layout, options)
+    lora, adapter = lora_choice(layout, options)
     mode = options.lora if lora is not None else None
     # output name -> source tensor name
     mapping: dict[str, str] = {}
@@ -269,7 +269,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
                      generated)
 
 
-def _lora_choice(layout: CheckpointLayout, options: MergeOptions):
+def lora_choice(layout: CheckpointLayout, options: MergeOptions):
     """(LoraInfo, chosen AdapterInfo) or (None, None). Raises UsageError when the user must
     choose (mode, adapter name), when alpha is unknown but needed, or for unsupported
     variants."""

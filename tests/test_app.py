@@ -156,3 +156,30 @@ def _walk(node):
     yield node
     for c in node.children:
         yield from _walk(c)
+
+
+@pytest.mark.asyncio
+async def test_lora_summary_and_fold_from_the_form(fixtures_root, tmp_path):
+    from safetensors.torch import load_file
+
+    from test_lora import exact
+
+    app = make_app(str(fixtures_root / "w2-lora-qv"))
+    async with app.run_test(size=(120, 45)) as pilot:
+        screen = await open_inspector(pilot, app)
+        assert "r=8, alpha=16 on q_proj, v_proj" in str(screen.query_one("#summary").render())
+        await pilot.press("m")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+        form = app.screen
+        form.query_one("#output").value = str(tmp_path / "out")
+        form.query_one("#lora-alpha").value = "-3"
+        await pilot.click("#ok")
+        await pilot.pause(0.1)
+        assert "--lora-alpha must be positive" in str(form.query_one("#error").render())
+        form.query_one("#lora-alpha").value = "16"
+        await pilot.click("#ok")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
+        run = app.screen
+        await wait_for(pilot, lambda: run.finished, tries=400)
+    exact(load_file(tmp_path / "out" / "model.safetensors"),
+          load_file(fixtures_root / "w2-lora-qv.fold" / "model.safetensors"))

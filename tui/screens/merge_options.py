@@ -40,6 +40,21 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                 yield Label("config folder (this checkpoint has none)")
                 yield Input("", placeholder="folder with config.json and tokenizer",
                             id="hf-config")
+            if self.ckpt.lora is not None:
+                lora = self.ckpt.lora
+                yield Label(f"LoRA: {lora.summary()}")
+                yield Select([("fold into the weights", "fold"),
+                              ("base + PEFT adapter folder", "adapter"),
+                              ("folded model + adapter folder", "both"),
+                              ("base alone (drop the adapter)", "base")],
+                             value="fold", allow_blank=False, id="lora-mode")
+                names = sorted(lora.adapters)
+                with Horizontal(id="lora-row"):
+                    yield Input(names[0] if len(names) == 1 else "",
+                                placeholder=f"adapter ({', '.join(names)})", id="lora-adapter")
+                    alpha = lora.adapters[names[0]].lora_alpha if names else None
+                    yield Input("" if alpha is None else f"{alpha:g}",
+                                placeholder="lora_alpha (the run's value)", id="lora-alpha")
             yield Checkbox("overwrite an existing output", id="overwrite")
             yield Label("", id="error")
             with Horizontal(id="buttons"):
@@ -62,8 +77,22 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
             if hf_config and not Path(hf_config, "config.json").is_file():
                 raise UsageError("has no config.json", hf_config)
         dtype = self.query_one("#dtype", Select).value
-        return MergeOptions(output=out, dtype=None if dtype == "keep" else str(dtype),
+        opts = MergeOptions(output=out, dtype=None if dtype == "keep" else str(dtype),
                             max_shard_size=size, overwrite=overwrite, hf_config=hf_config)
+        if self.query("#lora-mode"):
+            opts.lora = str(self.query_one("#lora-mode", Select).value)
+            opts.lora_adapter = self.query_one("#lora-adapter", Input).value.strip() or None
+            alpha = self.query_one("#lora-alpha", Input).value.strip()
+            if alpha:
+                try:
+                    opts.lora_alpha = float(alpha)
+                except ValueError:
+                    raise UsageError(f"lora_alpha {alpha!r} is not a number") from None
+        # the same checks the merge makes, so a bad choice is refused here and not later
+        from core.plan import lora_choice
+
+        lora_choice(self.ckpt, opts)
+        return opts
 
     @on(Button.Pressed, "#ok")
     @on(Input.Submitted)

@@ -26,8 +26,8 @@ def summary_text(layout: CheckpointLayout) -> str:
         f"[b]dtypes[/]      " + ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items()),
         f"[b]config[/]      {_short(layout.config_dir, layout.path) or 'none'}",
     ]
-    if layout.lora:
-        lines.append(f"[b]LoRA[/]        {layout.lora}")
+    if layout.lora is not None:
+        lines.append(f"[b]LoRA[/]        {layout.lora.summary()}")
     return "\n".join(lines)
 
 
