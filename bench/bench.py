@@ -131,6 +131,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cache", default=str(HERE / "cache"))
     ap.add_argument("--work", default=None, help="where outputs go (default: beside the cache)")
+    ap.add_argument("--verl-python", default=os.environ.get("VERL_PYTHON", sys.executable),
+                    help="a Python that can import verl (its pins may clash with ours, so it "
+                         "can live in its own virtual environment)")
     args = ap.parse_args()
     from bench.write_ckpt import write_fsdp_and_dcp, write_many_ranks
 
@@ -167,14 +170,15 @@ def main() -> None:
         ("peer: dcp_to_torch_save + safetensors save",
          [sys.executable, "-c", DCP_PEER, str(dcp), str(out)], out, None),
     ]
-    try:
-        import verl  # noqa: F401
-
-        jobs.append(("peer: verl.model_merger (bf16)",
-                     [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
+    has_verl = subprocess.run([args.verl_python, "-c", "import verl.model_merger"],
+                              capture_output=True).returncode == 0
+    if has_verl:
+        jobs.append(("peer: verl.model_merger (writes bf16)",
+                     [args.verl_python, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                       "--local_dir", str(fsdp), "--target_dir", str(out)], out, None))
-    except ImportError:
-        print("verl is not installed: its merger is not measured", file=sys.stderr)
+    else:
+        print("verl is not importable (see --verl-python): its merger is not measured",
+              file=sys.stderr)
     rows = []
     floor = None
     for name, cmd, o, shard in jobs:
@@ -195,6 +199,12 @@ def main() -> None:
         over = f"{(r['rss'] - min(shard, size)) / 2**20:.0f}" if shard else ""
         print(f"| {name} | {r['wall']:.2f} | {r['wall'] / floor:.2f} | {r['rss'] / 1e9:.2f} | "
               f"{r['rss'] / size:.2f} | {over} | {r['rc']} |")
+    verl = next((r for n, r, _ in rows if n.startswith("peer: verl")), None)
+    if verl is not None:
+        ours = next(r for n, r, _ in rows if "--dtype bf16" in n)
+        print(f"\nshardscope --dtype bf16 against verl's merger (same output dtype): "
+              f"{ours['wall'] / verl['wall']:.2f} x its wall time, "
+              f"{ours['rss'] / verl['rss']:.2f} x its peak RSS")
     print(f"\n`shardscope inspect --json`, 64 ranks: {inspect['wall']:.2f} s (whole process); "
           f"app start to first screen: {app['wall']:.2f} s")
 
