@@ -65,7 +65,11 @@ def _rank(rank: int, world: int, port: int, out: str, gb: float) -> None:
     if rank == 0:
         (fsdp_dir / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2,
                                                                "world_size": world}))
+        config.architectures = ["Qwen2ForCausalLM"]
         config.save_pretrained(fsdp_dir / "huggingface")
+        from core.sample import tiny_tokenizer
+
+        tiny_tokenizer(config.vocab_size).save_pretrained(fsdp_dir / "huggingface")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -157,6 +157,16 @@ def output_name(name: str, mode: str, adapter: str) -> str | None:
     return n
 
 
+def saved_module_key(name: str, adapter: str) -> str | None:
+    """For the trained copy of a ``modules_to_save`` module of ``adapter``
+    (``M.modules_to_save.<adapter>.P``), its name in a PEFT adapter file
+    (``base_model.model.M.P``, as peft saves it); else None."""
+    m = SAVE_RE.match(_strip(name))
+    if m is None or m["adapter"] != adapter:
+        return None
+    return f"{PREFIX}{m['module']}.{m['param']}"
+
+
 def adapter_key(module: str, kind: str) -> str:
     """Name of an adapter weight in a PEFT adapter file."""
     return f"{PREFIX}{module}.{kind}.weight"

@@ -258,6 +258,10 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
             for kind, t in (("lora_A", a), ("lora_B", b)):
                 atensors.append(OutputTensor(lora_mod.adapter_key(module, kind), t.shape,
                                              t.dtype, t, located(t)))
+        for name, t in sorted(layout.tensors.items()):
+            key = lora_mod.saved_module_key(name, adapter.name)
+            if key is not None:  # the trained copy of a modules_to_save module
+                atensors.append(OutputTensor(key, t.shape, t.dtype, t, located(t)))
         files.append(OutputFile(f"{ADAPTER_DIR}/adapter_model.safetensors", atensors))
         modules = {n.rsplit(".", 1)[0] for n in mapping}
         generated[f"{ADAPTER_DIR}/adapter_config.json"] = lora_mod.adapter_config_json(
@@ -310,10 +314,6 @@ def lora_choice(layout: CheckpointLayout, options: MergeOptions):
                          "checkpoint (no lora_train_meta.json or lora_adapter/"
                          "adapter_config.json); pass the run's value with --lora-alpha, "
                          "shardscope never invents one")
-    if adapter.modules_to_save and options.lora in ("adapter", "both"):
-        raise UsageError(f"adapter {adapter.name!r} has modules_to_save "
-                         f"({', '.join(adapter.modules_to_save)}): exporting them in a PEFT "
-                         "folder is not supported yet; --lora fold or base work")
     return lora, adapter
 
 

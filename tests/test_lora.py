@@ -56,21 +56,21 @@ def test_base_drops_the_adapter(fixtures_root, tmp_path, name):
           load_file(fixtures_root / f"{name}.reference" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("name", ["w2-lora-qv", "w3-lora-rslora-bf16"])
+@pytest.mark.parametrize("name", ["w2-lora-qv", "w3-lora-rslora-bf16", "w2-lora-multi"])
 def test_adapter_loads_in_peft_and_gives_the_trained_outputs(fixtures_root, tmp_path, name):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "o"
-    merge(fixtures_root / name, out, lora="adapter")
+    merge(fixtures_root / name, out, lora="adapter", lora_adapter="default")
     ref = fixtures_root / f"{name}.adapter"
     exact(load_file(out / "lora_adapter" / "adapter_model.safetensors"),
           load_file(ref / "adapter_model.safetensors"))
     exact(load_file(out / "model.safetensors"),
-          load_file(fixtures_root / f"{name}.base" / "model.safetensors"))
+          load_file(fixtures_root / f"{name}.reference" / "model.safetensors"))
     got_cfg = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
     want_cfg = json.loads((ref / "adapter_config.json").read_text())
-    for k in ("r", "lora_alpha", "use_rslora", "task_type", "peft_type"):
+    for k in ("r", "lora_alpha", "use_rslora", "task_type", "peft_type", "modules_to_save"):
         assert got_cfg[k] == want_cfg[k], k
     assert sorted(got_cfg["target_modules"]) == sorted(want_cfg["target_modules"])
     ids = torch.tensor([[1, 5, 9, 42, 7, 3]])
@@ -81,7 +81,7 @@ def test_adapter_loads_in_peft_and_gives_the_trained_outputs(fixtures_root, tmp_
     assert not [w for w in caught if "missing" in str(w.message).lower()
                 or "unexpected" in str(w.message).lower()]
     want = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(fixtures_root / f"{name}.base"), ref).eval()
+        AutoModelForCausalLM.from_pretrained(fixtures_root / f"{name}.reference"), ref).eval()
     with torch.no_grad():
         assert torch.equal(got(ids).logits, want(ids).logits)
 
@@ -134,9 +134,6 @@ def test_several_adapters_and_modules_to_save(fixtures_root, tmp_path):
     assert layout.lora.adapters["second"].lora_alpha is None  # the run's meta is default's
     with pytest.raises(UsageError, match="several adapters"):
         plan_merge(layout, MergeOptions(str(tmp_path / "o"), lora="fold"))
-    with pytest.raises(UsageError, match="modules_to_save"):
-        plan_merge(layout, MergeOptions(str(tmp_path / "o"), lora="adapter",
-                                        lora_adapter="default"))
     with pytest.raises(UsageError, match="lora_alpha is not recorded"):
         plan_merge(layout, MergeOptions(str(tmp_path / "o"), lora="fold",
                                         lora_adapter="second"))

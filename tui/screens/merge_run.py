@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -49,6 +50,7 @@ class MergeRunScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.started = time.monotonic()
         self.run_merge()
         self.set_interval(0.2, self._poll)
 
@@ -99,9 +101,12 @@ class MergeRunScreen(Screen):
             return
         self.query_one("#overall", ProgressBar).update(progress=ev.bytes_written)
         if not self.finished:
+            elapsed = time.monotonic() - self.started
+            rate = ev.bytes_written / elapsed if elapsed > 0 else 0
             self.query_one("#status", Label).update(
                 f"{ev.tensors_done}/{ev.tensors_total} tensors, "
-                f"{human_bytes(ev.bytes_written)} of {human_bytes(ev.bytes_total)}  {ev.tensor}")
+                f"{human_bytes(ev.bytes_written)} of {human_bytes(ev.bytes_total)}, "
+                f"{human_bytes(rate)}/s, {elapsed:.0f} s  {ev.tensor}")
         for i, path in enumerate(self.plan.source_bytes):
             bars = self.query(f"#src-{i}")
             if bars and path in per:
