@@ -195,18 +195,21 @@ def _piece_tensor(p: Piece, src: _Sources):
     return flat.as_strided(p.shape, p.stride)
 
 
-def assemble(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src: _Sources):
-    """The full tensor (torch, ``dtype``) filled from its located ``pieces``."""
+def assemble(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src: _Sources,
+             flat: bool = False):
+    """The full tensor (torch, ``dtype``) filled from its located ``pieces``; with ``flat``
+    the pieces are ranges of the flattened tensor."""
     import torch
 
     from .dtypes import torch_dtype
 
     full = torch.empty(shape, dtype=torch_dtype(dtype))
+    view = full.view(-1) if flat else full
     for p in pieces:
         if p.numel == 0:
             continue
         idx = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.shape))
-        full[idx].copy_(_piece_tensor(p, src))
+        view[idx].copy_(_piece_tensor(p, src))
     return full
 
 
@@ -222,14 +225,15 @@ def fold_lora(w, a, b, scale: float, out_dtype):
 def _row_blocks(t: OutputTensor) -> bool:
     """True when the pieces are whole rows (every dim but the first complete) that follow each
     other: then the output bytes are the pieces' bytes in order."""
+    shape = t.source.piece_shape
     pos = 0
     for p in t.pieces:
-        if tuple(p.shape[1:]) != tuple(t.shape[1:]) or any(p.global_offsets[1:]):
+        if tuple(p.shape[1:]) != tuple(shape[1:]) or any(p.global_offsets[1:]):
             return False
         if p.global_offsets[:1] and p.global_offsets[0] != pos:
             return False
         pos += p.shape[0] if p.shape else 1
-    return pos == (t.shape[0] if t.shape else 1)
+    return pos == (shape[0] if shape else 1)
 
 
 class _Writer:
@@ -264,9 +268,9 @@ class _Writer:
 
         if t.fold is not None:
             f = t.fold
-            w = assemble(t.pieces, t.shape, t.source.dtype, self.src)
-            a = assemble(f.a_pieces, f.a.shape, f.a.dtype, self.src)
-            b = assemble(f.b_pieces, f.b.shape, f.b.dtype, self.src)
+            w = assemble(t.pieces, t.shape, t.source.dtype, self.src, t.source.flat)
+            a = assemble(f.a_pieces, f.a.shape, f.a.dtype, self.src, f.a.flat)
+            b = assemble(f.b_pieces, f.b.shape, f.b.dtype, self.src, f.b.flat)
             x = fold_lora(w, a, b, f.scale, torch_dtype(t.dtype)).contiguous()
             import torch
 
@@ -282,6 +286,12 @@ class _Writer:
                 out_bytes = p.numel * ITEMSIZE[t.dtype]
                 if p.dtype == t.dtype and p.contiguous:
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
+                elif p.contiguous and {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
+                    # numpy, not torch: same bits, and no 2 s torch import for a cast
+                    from .cast import cast_bytes
+
+                    buf = _pread_exact(self.src.fd(p.file), p.nbytes, p.byte_offset, p.file)
+                    _pwrite_all(dst, cast_bytes(buf, p.dtype, t.dtype), pos)
                 else:
                     import torch
 
@@ -292,7 +302,7 @@ class _Writer:
         else:
             import torch
 
-            full = assemble(t.pieces, t.shape, t.source.dtype, self.src)
+            full = assemble(t.pieces, t.shape, t.source.dtype, self.src, t.source.flat)
             for p in t.pieces:
                 self._report(p, 0)
             full = full.to(torch_dtype(t.dtype)).contiguous()

@@ -62,10 +62,18 @@ class TensorInfo:
     dtype: str
     placement: str
     pieces: list[Piece] = field(default_factory=list)
+    #: True when the pieces index the flattened tensor (1-D ranges of ``numel`` elements), as
+    #: DeepSpeed's flat ZeRO partitions store it
+    flat: bool = False
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        """The shape the pieces' offsets refer to: ``(numel,)`` for a flat tensor."""
+        return (self.numel,) if self.flat else self.shape
 
     @property
     def nbytes(self) -> int:
@@ -181,13 +189,14 @@ def coverage_problems(t: TensorInfo) -> list[Problem]:
     outside the tensor. Returns ``coverage-gap``/``coverage-overlap``/``piece-out-of-bounds``
     problems (empty when sound)."""
     problems: list[Problem] = []
+    shape = t.piece_shape
     for p in t.pieces:
-        if len(p.shape) != len(t.shape) or any(
-            o < 0 or o + s > g for o, s, g in zip(p.global_offsets, p.shape, t.shape)
+        if len(p.shape) != len(shape) or any(
+            o < 0 or o + s > g for o, s, g in zip(p.global_offsets, p.shape, shape)
         ):
             problems.append(Problem("piece-out-of-bounds",
                                     f"{t.name}: piece {p.shape} at {p.global_offsets} lies outside "
-                                    f"the global shape {t.shape}", p.file))
+                                    f"the global shape {shape}", p.file))
     if problems:
         return problems
     pieces = [p for p in t.pieces if p.numel]
@@ -195,7 +204,7 @@ def coverage_problems(t: TensorInfo) -> list[Problem]:
     # Overlap: compare boxes pairwise; pieces sorted by offset so a 1-D split is checked in
     # linear time (only neighbours can overlap when every piece spans the other dims fully).
     pieces.sort(key=lambda p: p.global_offsets)
-    split_dims = {d for p in pieces for d, (s, g) in enumerate(zip(p.shape, t.shape)) if s != g}
+    split_dims = {d for p in pieces for d, (s, g) in enumerate(zip(p.shape, shape)) if s != g}
     if len(split_dims) <= 1:
         pairs = zip(pieces, pieces[1:])
     else:

@@ -296,3 +296,48 @@ def write_sample(out: str | os.PathLike, world_size: int = 2, reference: str | N
         if reference is not None:
             shutil.move(os.path.join(tmp, "ckpt.reference"), reference)
     return out
+
+
+def write_deepspeed(root: str | os.PathLike, world_size: int, name: str, stage: int,
+                    dtype: str = "F32", tie: bool = False, seed: int = 40) -> None:
+    """A DeepSpeed ZeRO checkpoint written by DeepSpeed itself (CPU accelerator, gloo) at
+    ``root/<name>/``, with the model's config and tokenizer in ``huggingface/`` and the
+    weights before training at ``root/<name>.reference/``. Needs deepspeed (a test-only
+    dependency)."""
+    import torch.multiprocessing as mp
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_deepspeed_rank, args=(world_size, _free_port(), str(root), name, stage,
+                                              dtype, tie, seed),
+                       nprocs=world_size, start_method="spawn", join=True)
+
+
+def _deepspeed_rank(rank, world, port, root, name, stage, dtype, tie, seed) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    v = Variant(name=name, tie=tie, seed=seed)
+    model = build_model(v)
+    out = Path(root) / name
+    if rank == 0:
+        model.save_pretrained(Path(root) / f"{name}.reference")
+        _hf_files(model, v, out / "huggingface")
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "bf16": {"enabled": dtype == "BF16"},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    engine.save_checkpoint(str(out), tag="global_step0")
+    torch.distributed.barrier()

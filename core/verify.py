@@ -112,6 +112,6 @@ def read_tensor(layout, name: str):
               for p in t.pieces]
     src = _Sources()
     try:
-        return assemble(pieces, t.shape, t.dtype, src)
+        return assemble(pieces, t.shape, t.dtype, src, t.flat)
     finally:
         src.close()

@@ -11,10 +11,11 @@ from ..layout import CheckpointLayout
 
 
 def _readers():
-    from . import dcp, dcp_hf, fsdp, hf
+    from . import dcp, dcp_hf, deepspeed, fsdp, hf
 
     # order matters: a DCP or FSDP folder may also hold a stray model.safetensors
-    return [("dcp", dcp), ("fsdp", fsdp), ("dcp-hf", dcp_hf), ("hf", hf)]
+    return [("dcp", dcp), ("fsdp", fsdp), ("deepspeed", deepspeed), ("dcp-hf", dcp_hf),
+            ("hf", hf)]
 
 
 def detect(path: str | os.PathLike) -> CheckpointLayout:

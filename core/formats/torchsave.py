@@ -110,6 +110,9 @@ _RECORD_MODULES = (
     "torch.distributed._mesh_layout", "torch.distributed._shard", "torch.distributed.remote_device",
     "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
     "torch.distributed.checkpoint._extension", "torch.distributed.checkpoint.planner",
+    # DeepSpeed's checkpoint records (loss scaler, ZeRO stage enum, fragment addresses): read
+    # as data, never imported
+    "deepspeed.runtime", "deepspeed.utils", "deepspeed.checkpoint",
 )
 
 
