@@ -118,11 +118,18 @@ def read(path: str) -> CheckpointLayout:
         raise BadCheckpointError("no param_shapes in the model states", model_file)
     if isinstance(param_shapes, dict):
         param_shapes = [param_shapes]
+    dp = _get(model_states, "dp_world_size")
+    if isinstance(dp, int) and dp > 0 and dp != world:
+        if dp < world:
+            layout.problems.append(Problem("world-size-mismatch", f"the model states say "
+                                           f"dp_world_size {dp}, optimizer files go to rank "
+                                           f"{world - 1}", model_file))
+        world = layout.world_size = max(world, dp)
+    prefix = "bf16_" if any(Path(f).name.startswith("bf16_") for f in optim.values()) else ""
     groups_by_rank: dict[int, list[TensorRef]] = {}
     stage = None
     for r in range(world):
-        name = Path(optim.get(r, "")).name or f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-        fpath = optim.get(r, str(d / name))
+        fpath = optim.get(r, str(d / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
         sf = stat_file(fpath, r)
         layout.files.append(sf)
         if sf.status == "missing":
@@ -140,8 +147,10 @@ def read(path: str) -> CheckpointLayout:
             layout.problems.append(problem_for(e, fpath))
     if stage is None:
         stage = 3 if model3 else 2
+    train = "bf16" if prefix else _module_dtype(model_states)
     layout.notes.append(f"ZeRO stage {stage}; data-parallel world size {world}; "
-                        f"{len(param_shapes)} parameter group(s); fp32 master weights")
+                        f"{len(param_shapes)} parameter group(s); training weights {train}, "
+                        "merged from the fp32 master copy")
     layout.parallel = {"dp": world} if stage < 3 else {"fsdp": world}
     if layout.errors:
         return layout
@@ -158,6 +167,15 @@ def read(path: str) -> CheckpointLayout:
             attach_config(layout, c)
             break
     return layout
+
+
+def _module_dtype(model_states) -> str:
+    """dtype of the module's weights as trained (stage <= 2 keeps them in the model states)."""
+    module = _get(model_states, "module") or {}
+    for v in (module.values() if isinstance(module, dict) else ()):
+        if isinstance(v, TensorRef):
+            return {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}.get(v.dtype, v.dtype)
+    return "unknown"
 
 
 def _stage2(layout, param_shapes, groups_by_rank, optim) -> None:
