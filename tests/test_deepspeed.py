@@ -23,6 +23,7 @@ DS = {
     "ds-z3-w3-tied": (3, 3, "F32", True),
     "ds-z2-w3-bf16": (3, 2, "BF16", False),
     "ds-z3-w2-bf16": (2, 3, "BF16", False),
+    "ds-z1-w2": (2, 1, "F32", True),
 }
 
 
@@ -33,7 +34,11 @@ def ds_root():
 
     from core.sample import write_deepspeed
 
-    root = _cache_root().with_name(_cache_root().name + "-deepspeed")
+    import hashlib
+    import json
+
+    key = hashlib.sha256(json.dumps(DS, sort_keys=True).encode()).hexdigest()[:8]
+    root = _cache_root().with_name(f"{_cache_root().name}-deepspeed-{key}")
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / "lock-ds", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
