@@ -103,3 +103,21 @@ def test_missing_optimizer_file(ds_root, tmp_path):
     r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 3 and not (tmp_path / "out").exists()
+
+
+def test_module_weights_and_tag(ds_root, tmp_path):
+    """--weights module: the bf16 weights as trained (stage 2), same as the master rounded."""
+    src = ds_root / "ds-z2-w3-bf16"
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "--tag",
+                        "global_step0", "--weights", "module", "-o", str(tmp_path / "o")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "o" / "model.safetensors")
+    ref = load_file(ds_root / "ds-z2-w3-bf16.reference" / "model.safetensors")
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)), k
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ds_root / "ds-z3-w2-bf16"),
+                        "--weights", "module", "-o", str(tmp_path / "o3")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 3 and "stage 3 keeps no module weights" in r.stderr

@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--params", action="store_true", help="list every tensor")
+    i.add_argument("--tag", help="DeepSpeed: the step folder to read instead of `latest`")
     i.add_argument("--deep", action="store_true",
                    help="also read every tensor: check the CRC-32 of torch.save data and count "
                         "NaN/Inf per tensor (reads all bytes once)")
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--overwrite", action="store_true", help="replace an existing output")
     m.add_argument("--workers", type=int, default=min(32, os.cpu_count() or 1),
                    help="threads moving bytes (default: min(32, CPUs))")
+    m.add_argument("--tag", help="DeepSpeed: the step folder to merge instead of `latest`")
+    m.add_argument("--weights", choices=["master", "module"], default="master",
+                   help="DeepSpeed: the fp32 master copy (default) or the module weights as "
+                        "trained (ZeRO stages 1 and 2)")
     m.add_argument("--lora", choices=["fold", "adapter", "both", "base"],
                    help="when the checkpoint holds a LoRA adapter: fold it into the weights, "
                         "write the base model plus a PEFT folder (OUT/lora_adapter), both, or "
@@ -139,10 +144,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _with_tag(path: str, tag: str | None) -> str:
+    """``PATH/TAG`` for DeepSpeed's --tag (a step folder beside ``latest``)."""
+    if not tag:
+        return path
+    from core import UsageError
+
+    p = os.path.join(path, tag)
+    if not os.path.isdir(p):
+        raise UsageError(f"no step folder {tag!r} here", path)
+    return p
+
+
 def cmd_inspect(args) -> int:
     from core import detect
 
-    layout = detect(args.path)
+    layout = detect(_with_tag(args.path, args.tag))
     if args.deep and not any(p.code in ("missing-rank", "missing-file", "unsafe-pickle")
                              for p in layout.errors):
         layout.problems.extend(_deep(layout, show=not args.json))
@@ -194,7 +211,7 @@ def cmd_merge(args) -> int:
     log = (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False)) if args.verbose else None
     if log:
         log(f"reading the layout of {path}")
-    layout = detect(path)
+    layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights)
     opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
                         workers=max(1, args.workers), lora=args.lora,

@@ -18,10 +18,12 @@ def _readers():
             ("hf", hf)]
 
 
-def detect(path: str | os.PathLike) -> CheckpointLayout:
+def detect(path: str | os.PathLike, deepspeed_weights: str = "master") -> CheckpointLayout:
     """Detect the format of ``path`` from its files alone and read its layout (metadata only).
 
-    ``path`` may be a checkpoint folder or one file inside it. Raises
+    ``path`` may be a checkpoint folder or one file inside it. ``deepspeed_weights``: for a
+    DeepSpeed checkpoint, ``master`` (the fp32 optimizer copy) or ``module`` (the weights as
+    trained, e.g. bf16, where the stage keeps them). Raises
     :class:`BadCheckpointError` when the path does not exist or no reader recognises it;
     problems with a recognised checkpoint are in ``layout.problems`` instead.
     """
@@ -36,7 +38,10 @@ def detect(path: str | os.PathLike) -> CheckpointLayout:
 
             from ..lora import detect_lora
 
-            layout = mod.read(str(p))
+            if mod.__name__.endswith(".deepspeed"):
+                layout = mod.read(str(p), weights=deepspeed_weights)
+            else:
+                layout = mod.read(str(p))
             layout.problems.extend(config_problems(layout))
             layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
                                       layout.path)

@@ -85,10 +85,13 @@ def _piece(ref: TensorRef, start: int, n: int, global_off: int, rank: int, path:
     return Piece(path, off, ref.dtype, (n,), (ref.stride[0],), (global_off,), rank)
 
 
-def read(path: str) -> CheckpointLayout:
-    """Layout of a ZeRO checkpoint: the fp32 master weights as flat pieces of the optimizer
-    partitions, plus buffers from the module state. Problems: missing or unreadable rank files,
-    partitions whose sizes do not add up (``partition-mismatch``)."""
+def read(path: str, weights: str = "master") -> CheckpointLayout:
+    """Layout of a ZeRO checkpoint: with ``weights="master"`` the fp32 master weights as flat
+    pieces of the optimizer partitions, plus buffers from the module state; with ``"module"``
+    the module's own weights as trained (stages 1 and 2 keep them whole in
+    ``mp_rank_00_model_states.pt``; stage 3 does not, which is a ``BadCheckpointError``).
+    Problems: missing or unreadable rank files, partitions whose sizes do not add up
+    (``partition-mismatch``)."""
     root = Path(path)
     d = _tag_dir(root)
     if d is None:
@@ -147,6 +150,8 @@ def read(path: str) -> CheckpointLayout:
             layout.problems.append(problem_for(e, fpath))
     if stage is None:
         stage = 3 if model3 else 2
+    if weights == "module":
+        return _module_weights(layout, model_states, model_file, stage, root, d)
     train = "bf16" if prefix else _module_dtype(model_states)
     layout.notes.append(f"ZeRO stage {stage}; data-parallel world size {world}; "
                         f"{len(param_shapes)} parameter group(s); training weights {train}, "
@@ -162,6 +167,24 @@ def read(path: str) -> CheckpointLayout:
     if not layout.errors:
         for t in layout.tensors.values():
             layout.problems.extend(coverage_problems(t))
+    for c in (root / "huggingface", root, d):
+        if (c / "config.json").is_file():
+            attach_config(layout, c)
+            break
+    return layout
+
+
+def _module_weights(layout, model_states, model_file, stage, root, d) -> CheckpointLayout:
+    if stage >= 3:
+        raise BadCheckpointError("ZeRO stage 3 keeps no module weights (only placeholders); "
+                                 "merge the fp32 master copy instead", model_file)
+    module = _get(model_states, "module") or {}
+    for name, ref in (module.items() if isinstance(module, dict) else ()):
+        if isinstance(ref, TensorRef) and ref.fits_storage():
+            layout.tensors[name] = TensorInfo(name, ref.shape, ref.dtype, "module", [Piece(
+                model_file, ref.byte_offset, ref.dtype, ref.shape, ref.stride,
+                (0,) * len(ref.shape), 0)])
+    layout.notes.append("module weights as trained (--weights module)")
     for c in (root / "huggingface", root, d):
         if (c / "config.json").is_file():
             attach_config(layout, c)

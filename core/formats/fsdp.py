@@ -138,6 +138,7 @@ class _Builder:
         self.skipped: set[str] = set()
         self.mesh_reported = False
         self.seen: set[tuple] = set()
+        self.mesh_cache: dict[int, tuple] = {}
 
     def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
         t = self.layout.tensors.get(name)
@@ -197,7 +198,11 @@ class _Builder:
         meta = spec.get("tensor_meta")
         if isinstance(meta, Record) and meta.args:
             gshape = tuple(meta.args[0])
-        mesh_shape, names, coord = _mesh_info(spec.get("mesh"))
+        mesh = spec.get("mesh")
+        info = self.mesh_cache.get(id(mesh))  # tensors of a rank share one pickled mesh
+        if info is None:
+            info = self.mesh_cache[id(mesh)] = (_mesh_info(mesh), mesh)
+        mesh_shape, names, coord = info[0]
         placements = list(spec.get("placements") or ())
         pstr = ", ".join(_placement_str(p) for p in placements)
         t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
@@ -340,6 +345,7 @@ def read(path: str) -> CheckpointLayout:
                                                "missing", fpath))
             continue
         try:
+            b.mesh_cache.clear()
             b.add_rank(r, fpath, read_torch_archive(fpath).root)
         except BadCheckpointError as e:
             sf.status = "unreadable"
