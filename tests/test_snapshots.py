@@ -34,7 +34,7 @@ def test_inspector_filtered(snap_compare, fixtures_root):
 
     async def ready(pilot):
         await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
-        await pilot.press("slash", *"embed", "enter", "down", "down")
+        await pilot.press("slash", *"embed", "enter")
         await pilot.pause(0.2)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)

@@ -160,9 +160,14 @@ def cmd_inspect(args) -> int:
     from core import detect
 
     layout = detect(_with_tag(args.path, args.tag))
+    deep_done = False
     if args.deep and not any(p.code in ("missing-rank", "missing-file", "unsafe-pickle")
                              for p in layout.errors):
         layout.problems.extend(_deep(layout, show=not args.json))
+        deep_done = True
+    if deep_done:
+        layout.notes.append("deep check: every tensor read; CRC-32 of torch.save data checked "
+                            "and NaN/Inf counted (problems below, if any)")
     if args.json:
         d = layout.to_dict()
         if not args.params:

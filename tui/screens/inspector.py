@@ -89,8 +89,8 @@ class InspectorScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one("#filter", Input).display = False
-        self.query_one("#pieces", DataTable).add_columns("rank", "file", "offsets", "shape",
-                                                         "bytes at")
+        self.query_one("#pieces", DataTable).add_columns("rank", "offsets", "shape",
+                                                         "bytes at", "file")
         self.query_one("#params", ParamTree).focus()
 
     def action_filter(self) -> None:
@@ -113,7 +113,11 @@ class InspectorScreen(Screen):
 
     @on(Input.Submitted, "#filter")
     def _filter_done(self) -> None:
-        self.query_one("#params", ParamTree).focus()
+        tree = self.query_one("#params", ParamTree)
+        tree.focus()
+        leaf = tree.first_leaf()
+        if leaf is not None:  # land on the first match, so its pieces show at once
+            tree.move_cursor(leaf)
 
     @on(Tree.NodeHighlighted, "#params")
     def _show_pieces(self, event: Tree.NodeHighlighted) -> None:
@@ -125,9 +129,10 @@ class InspectorScreen(Screen):
             return
         table.border_title = f"{t.name}: {list(t.shape)} {t.dtype} {t.placement}"
         for p in sorted(t.pieces, key=lambda p: p.global_offsets):
-            table.add_row("" if p.rank is None else str(p.rank), os.path.basename(p.file),
-                          str(list(p.global_offsets)), str(list(p.shape)),
-                          "deferred" if p.byte_offset < 0 else str(p.byte_offset))
+            table.add_row("" if p.rank is None else str(p.rank), str(list(p.global_offsets)),
+                          str(list(p.shape)),
+                          "deferred" if p.byte_offset < 0 else str(p.byte_offset),
+                          os.path.basename(p.file))
 
     def selected_tensor(self) -> TensorInfo | None:
         node = self.query_one("#params", ParamTree).cursor_node

@@ -21,8 +21,9 @@ def summary_text(layout: CheckpointLayout) -> str:
         f"[b]world size[/]  {layout.world_size}",
         f"[b]device mesh[/] {mesh}",
         f"[b]parallel[/]    {par}",
-        f"[b]tensors[/]     {len(layout.tensors)}   [b]parameters[/] "
-        f"{human_count(layout.parameters)}   [b]size[/] {human_bytes(layout.bytes)}",
+        f"[b]tensors[/]     {len(layout.tensors)} ({human_count(layout.parameters)} "
+        "parameters)",
+        f"[b]size[/]        {human_bytes(layout.bytes)}",
         f"[b]dtypes[/]      " + ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items()),
         f"[b]config[/]      {_short(layout.config_dir, layout.path) or 'none'}",
     ]

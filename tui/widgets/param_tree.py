@@ -40,6 +40,16 @@ class ParamTree(Tree[TensorInfo]):
         self.query = query
         self.rebuild()
 
+    def first_leaf(self):
+        """The first tensor node in display order, or None."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop(0)
+            if node.data is not None:
+                return node
+            stack[:0] = list(node.children)
+        return None
+
     def rebuild(self) -> None:
         self.clear()
         names = [n for n in sorted(self.tensors, key=natural_key)

@@ -18,8 +18,9 @@ class ShardTable(DataTable):
         self.ckpt = layout
 
     def on_mount(self) -> None:
-        self.add_columns("rank", "file", "size", "status")
+        # narrow terminals cut the last column: the file name goes last
+        self.add_columns("rank", "status", "size", "file")
         for f in self.ckpt.files:
             status = f.status if f.status == "ok" else f"[red]{f.status}[/]"
-            self.add_row("" if f.rank is None else str(f.rank), os.path.basename(f.path),
-                         human_bytes(f.bytes), status)
+            self.add_row("" if f.rank is None else str(f.rank), status,
+                         human_bytes(f.bytes), os.path.basename(f.path))
