@@ -20,21 +20,6 @@ score head is written like any other tensor), --trust-remote-code, --use_cpu_ini
 Unlike verl's merger, dtypes are kept as trained unless --dtype asks otherwise."""
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-def _count(n: int) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardscope",
@@ -238,10 +223,12 @@ def cmd_merge(args) -> int:
         result = _run_cancellable(plan, None, cancel, log)
     for w in result.warnings[len(plan.warnings):]:
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
+    from tui.format import human_bytes
+
     rate = result.tensor_bytes / result.seconds if result.seconds else 0
     print(f"wrote {result.output}: {len(result.files)} safetensors file(s), "
-          f"{result.tensors} tensors, {_human(result.tensor_bytes)} in {result.seconds:.2f} s "
-          f"({_human(rate)}/s)")
+          f"{result.tensors} tensors, {human_bytes(result.tensor_bytes)} in "
+          f"{result.seconds:.2f} s ({human_bytes(rate)}/s)")
     return 0
 
 

@@ -6,14 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from core import CheckpointLayout
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
+from tui.format import human_bytes as _human
 
 
 def render_layout(layout: CheckpointLayout, console: Console, params: bool = False) -> None:
