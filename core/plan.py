@@ -42,6 +42,12 @@ class MergeOptions:
     lora: str | None = None
     lora_adapter: str | None = None
     lora_alpha: float | None = None
+    #: write a model card (README.md) when the config folder brings none
+    model_card: bool = True
+    #: after a verified merge, upload to this Hub repository (front ends act on it; see
+    #: :func:`core.publish.upload`)
+    hf_upload: str | None = None
+    private: bool = False
 
 
 @dataclass
@@ -269,8 +275,22 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     if lora is not None and mode == "both":
         warnings.append(f"{ADAPTER_DIR}/ applies to the base model, not to the folded one")
     config_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(target or "")
-    return MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype,
+    plan = MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype,
                      generated)
+    if options.model_card and not any(rel == "README.md" for _, rel in copy):
+        from .publish import model_card
+
+        plan.generated["README.md"] = model_card(plan, _version()).encode()
+    return plan
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardscope")
+    except PackageNotFoundError:
+        return "(source tree)"
 
 
 def lora_choice(layout: CheckpointLayout, options: MergeOptions):

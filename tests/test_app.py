@@ -121,10 +121,16 @@ async def test_statistics_of_a_sharded_tensor(fixtures_root):
                          if n.data is not None and n.data.name == "model.embed_tokens.weight"),
                         None)
 
-        await wait_for(pilot, lambda: find() is not None)
-        node = find()
-        tree.move_cursor(node)
-        await wait_for(pilot, lambda: tree.cursor_node is node)
+        def on_embedding() -> bool:
+            cur = tree.cursor_node
+            if cur is not None and cur.data is not None and \
+                    cur.data.name == "model.embed_tokens.weight":
+                return True
+            if find() is not None:
+                tree.move_cursor(find())  # again, if the tree was rebuilt meanwhile
+            return False
+
+        await wait_for(pilot, on_embedding)
         await pilot.press("s")
         await wait_for(pilot, lambda: "mean" in str(screen.query_one("#stats").render()),
                        tries=200)
@@ -183,3 +189,34 @@ async def test_lora_summary_and_fold_from_the_form(fixtures_root, tmp_path):
         await wait_for(pilot, lambda: run.finished, tries=400)
     exact(load_file(tmp_path / "out" / "model.safetensors"),
           load_file(fixtures_root / "w2-lora-qv.fold" / "model.safetensors"))
+
+
+@pytest.mark.asyncio
+async def test_merge_form_uploads_after_verification(fixtures_root, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from fake_hub import FakeHub
+
+    with FakeHub() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_app_test_token")
+        app = make_app(str(fixtures_root / "w2-qwen2-f32"))
+        async with app.run_test(size=(120, 50)) as pilot:
+            await open_inspector(pilot, app)
+            await pilot.press("m")
+            await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+            form = app.screen
+            form.query_one("#output").value = str(tmp_path / "out")
+            form.query_one("#hf-upload").value = "bad repo id"
+            await pilot.click("#ok")
+            await pilot.pause(0.1)
+            assert "not a repository id" in str(form.query_one("#error").render())
+            form.query_one("#hf-upload").value = "me/from-the-app"
+            await pilot.click("#ok")
+            await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
+            run = app.screen
+            await wait_for(pilot, lambda: run.finished, tries=600)
+            assert "uploaded to" in str(run.query_one("#result").render())
+    [commit] = hub.commits
+    assert commit["repo"] == "me/from-the-app"
+    assert commit["files"]["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()

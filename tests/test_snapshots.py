@@ -35,6 +35,9 @@ def test_inspector_filtered(snap_compare, fixtures_root):
     async def ready(pilot):
         await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
         await pilot.press("slash", *"embed", "enter")
+        tree = app.screen.query_one("#params")
+        await _until(pilot, lambda: tree.cursor_node is not None
+                     and tree.cursor_node.data is not None)
         await pilot.pause(0.2)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)

@@ -16,7 +16,7 @@ verl compatibility: `shardscope merge --backend fsdp --local_dir X --target_dir 
 flags are accepted and have no effect, because shardscope never builds the model:
 --tie-word-embedding (the config's tie_word_embeddings decides), --is-value-model (the critic's
 score head is written like any other tensor), --trust-remote-code, --use_cpu_initialization.
---hf_upload_path/--private (upload to the Hub) are not supported yet and are refused.
+--hf_upload_path REPO_ID is read as --hf-upload REPO_ID (with --private).
 Unlike verl's merger, dtypes are kept as trained unless --dtype asks otherwise."""
 
 
@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--lora-adapter", metavar="NAME", help="which adapter, when there are several")
     m.add_argument("--lora-alpha", type=float,
                    help="the run's lora_alpha, when the checkpoint does not record it")
+    m.add_argument("--hf-upload", metavar="REPO_ID",
+                   help="after the merge passes verification, upload it to this Hub repository "
+                        "(token from HF_TOKEN or `hf auth login`; HF_ENDPOINT for a private hub)")
+    m.add_argument("--private", action="store_true", help="create the repository private")
+    m.add_argument("--revision", help="upload to this branch (created if needed)")
+    m.add_argument("--commit-message", help="the upload's commit message")
+    m.add_argument("--no-card", action="store_true",
+                   help="do not write a model card (README.md) into the output")
     m.add_argument("-v", "--verbose", action="store_true", help="log each step")
     m.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     # verl.model_merger's flags
@@ -69,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--target_dir", help=argparse.SUPPRESS)
     m.add_argument("--hf_model_path", help=argparse.SUPPRESS)
     for flag in ("--tie-word-embedding", "--is-value-model", "--trust-remote-code",
-                 "--use_cpu_initialization", "--private"):
+                 "--use_cpu_initialization"):
         m.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     m.add_argument("--hf_upload_path", help=argparse.SUPPRESS)
 
@@ -80,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="absolute tolerance (default 0: bit-exact)")
     v.add_argument("--rtol", type=float, default=0.0,
                    help="relative tolerance (default 0: bit-exact)")
+
+    u = sub.add_parser("upload", help="upload a merged folder to a Hugging Face Hub repository "
+                                      "(after verifying it)")
+    u.add_argument("path", help="the merged folder")
+    u.add_argument("repo_id", help="e.g. my-org/my-model")
+    u.add_argument("--private", action="store_true", help="create the repository private")
+    u.add_argument("--revision", help="upload to this branch (created if needed)")
+    u.add_argument("--commit-message", help="the upload's commit message")
 
     s = sub.add_parser("sample", help="write a real FSDP2 sample checkpoint of a tiny model "
                                       "(torch.distributed, gloo, CPU)")
@@ -95,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and not argv[0].startswith("-") and argv[0] not in (
-            "inspect", "merge", "verify", "sample"):
+            "inspect", "merge", "verify", "sample", "upload"):
         from tui.app import run_app  # `shardscope PATH` opens the app there
 
         return run_app(argv[0])
@@ -111,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_app()
         return {"inspect": cmd_inspect, "merge": cmd_merge, "verify": cmd_verify,
-                "sample": cmd_sample}[args.command](args)
+                "sample": cmd_sample, "upload": cmd_upload}[args.command](args)
     except ShardscopeError as e:
         print(f"shardscope: {e}", file=sys.stderr)
         return e.exit_code
@@ -190,9 +206,7 @@ def cmd_merge(args) -> int:
 
     from core import MergeOptions, UsageError, detect, plan_merge, run_merge
 
-    if args.hf_upload_path:
-        raise UsageError("--hf_upload_path: uploading to the Hub is not supported yet; merge, "
-                         "then upload the folder with `hf upload`")
+    repo_id = args.hf_upload or args.hf_upload_path
     path = args.path or args.local_dir
     output = args.output or args.target_dir
     if not path or not output:
@@ -205,7 +219,8 @@ def cmd_merge(args) -> int:
     opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
                         workers=max(1, args.workers), lora=args.lora,
-                        lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha)
+                        lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
+                        model_card=not args.no_card, hf_upload=repo_id, private=args.private)
     plan = plan_merge(layout, opts)
     for w in plan.warnings:
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
@@ -229,7 +244,36 @@ def cmd_merge(args) -> int:
     print(f"wrote {result.output}: {len(result.files)} safetensors file(s), "
           f"{result.tensors} tensors, {human_bytes(result.tensor_bytes)} in "
           f"{result.seconds:.2f} s ({human_bytes(rate)}/s)")
+    if repo_id:
+        return _verified_upload(result.output, repo_id, args.private, args.revision,
+                                args.commit_message)
     return 0
+
+
+def _verified_upload(folder, repo_id, private, revision, message) -> int:
+    """Upload only a folder that passes verification (exit 3 otherwise, 4 when the upload
+    fails)."""
+    from core import BadCheckpointError
+    from core.publish import upload
+    from core.verify import verify_folder
+
+    errors = [p for p in verify_folder(folder) if p.severity == "error"]
+    if errors:
+        raise BadCheckpointError(f"not uploaded: {errors[0].code}: {errors[0].message}",
+                                 errors[0].path or folder)
+    print(f"uploading {folder} to {repo_id} ...", file=sys.stderr)
+    url = upload(folder, repo_id, private=private, revision=revision, commit_message=message)
+    print(f"uploaded to {url}")
+    return 0
+
+
+def cmd_upload(args) -> int:
+    if not os.path.isdir(args.path):
+        from core import UsageError
+
+        raise UsageError("not a folder", args.path)
+    return _verified_upload(args.path, args.repo_id, args.private, args.revision,
+                            args.commit_message)
 
 
 def _run_cancellable(plan, on_progress, cancel, log):

@@ -47,3 +47,11 @@ class MergeFailed(Message):
 
     error: str
     cancelled: bool
+
+
+@dataclass
+class StatsComputed(Message):
+    """A tensor's statistics were read (``text``: markup to show, or the error)."""
+
+    name: str
+    text: str

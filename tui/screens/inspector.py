@@ -13,6 +13,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static, Tree
 
 from core import CheckpointLayout, TensorInfo
+from tui.messages import StatsComputed
 from tui.widgets.layout_summary import LayoutSummary
 from tui.widgets.param_tree import ParamTree
 from tui.widgets.shard_table import ShardTable
@@ -89,6 +90,7 @@ class InspectorScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one("#filter", Input).display = False
+        self.query_one("#filter", Input).cursor_blink = False  # no repainting animation
         self.query_one("#pieces", DataTable).add_columns("rank", "offsets", "shape",
                                                          "bytes at", "file")
         self.query_one("#params", ParamTree).focus()
@@ -157,7 +159,11 @@ class InspectorScreen(Screen):
             text = stats_text(tensor_stats(self.ckpt, name))
         except ShardscopeError as e:
             text = f"[red]{e}[/]"
-        self.app.call_from_thread(self.query_one("#stats", Static).update, text)
+        self.post_message(StatsComputed(name, text))
+
+    @on(StatsComputed)
+    def _stats_computed(self, msg: StatsComputed) -> None:
+        self.query_one("#stats", Static).update(msg.text)
 
     def action_merge(self) -> None:
         from tui.screens.merge_options import MergeOptionsScreen

@@ -55,11 +55,19 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                     alpha = lora.adapters[names[0]].lora_alpha if names else None
                     yield Input("" if alpha is None else f"{alpha:g}",
                                 placeholder="lora_alpha (the run's value)", id="lora-alpha")
+            yield Label("Hub repo to upload to after verification (optional)")
+            with Horizontal(id="upload-row"):
+                yield Input("", placeholder="my-org/my-model", id="hf-upload")
+                yield Checkbox("private", id="private")
             yield Checkbox("overwrite an existing output", id="overwrite")
             yield Label("", id="error")
             with Horizontal(id="buttons"):
                 yield Button("Merge", variant="primary", id="ok")
                 yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        for box in self.query(Input):
+            box.cursor_blink = False  # no repainting animation (SSH, stable pictures)
 
     def options(self) -> MergeOptions:
         """The form as options. Raises UsageError (shown in the form) for a bad value."""
@@ -79,6 +87,12 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
         dtype = self.query_one("#dtype", Select).value
         opts = MergeOptions(output=out, dtype=None if dtype == "keep" else str(dtype),
                             max_shard_size=size, overwrite=overwrite, hf_config=hf_config)
+        repo = self.query_one("#hf-upload", Input).value.strip()
+        if repo:
+            if repo.count("/") > 1 or repo.startswith("/") or " " in repo:
+                raise UsageError(f"{repo!r} is not a repository id (owner/name)")
+            opts.hf_upload = repo
+            opts.private = self.query_one("#private", Checkbox).value
         if self.query("#lora-mode"):
             opts.lora = str(self.query_one("#lora-mode", Select).value)
             opts.lora_adapter = self.query_one("#lora-adapter", Input).value.strip() or None

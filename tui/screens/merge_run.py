@@ -75,6 +75,14 @@ class MergeRunScreen(Screen):
 
             problems = [f"{p.code}: {p.message}" for p in verify_folder(result.output)
                         if p.severity == "error"]
+            if self.options.hf_upload and not problems:
+                from core.publish import upload
+
+                self.app.call_from_thread(self.query_one("#status", Label).update,
+                                          f"uploading to {self.options.hf_upload}…")
+                url = upload(result.output, self.options.hf_upload,
+                             private=self.options.private)
+                result.warnings.append(f"uploaded to {url}")
             self.post_message(MergeFinished(result, problems))
         except MergeCancelled:
             self.post_message(MergeFailed("cancelled; nothing was written", True))

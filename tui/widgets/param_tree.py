@@ -37,6 +37,8 @@ class ParamTree(Tree[TensorInfo]):
         self.rebuild()
 
     def set_filter(self, query: str) -> None:
+        if query == self.query:
+            return
         self.query = query
         self.rebuild()
 
