@@ -38,6 +38,32 @@ async def open_inspector(pilot, app):
     return app.screen
 
 
+async def open_form(pilot, app, out) -> MergeOptionsScreen:
+    """From the inspector, open the merge form and set its output folder."""
+    await pilot.press("m")
+    await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+    app.screen.query_one("#output").value = str(out)
+    return app.screen
+
+
+async def refused(pilot, form, field: str, value: str, message: str) -> None:
+    """Set a bad ``value`` in ``field``, submit, and check the form refuses with ``message``."""
+    form.query_one(field).value = value
+    await pilot.click("#ok")
+    await pilot.pause(0.1)
+    assert isinstance(form.app.screen, MergeOptionsScreen)
+    assert message in str(form.query_one("#error").render())
+
+
+async def run_to_end(pilot, app, tries=400) -> MergeRunScreen:
+    """Submit the form and wait for the merge run to finish."""
+    await pilot.click("#ok")
+    await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
+    run = app.screen
+    await wait_for(pilot, lambda: run.finished, tries=tries)
+    return run
+
+
 @pytest.mark.asyncio
 async def test_open_filter_and_merge_bit_exact(fixtures_root, tmp_path):
     src = fixtures_root / "w4-hsdp"
@@ -51,13 +77,9 @@ async def test_open_filter_and_merge_bit_exact(fixtures_root, tmp_path):
         await pilot.press("slash", *"qproj")
         await wait_for(pilot, lambda: len(leaves(tree)) == 4)
         assert all("q_proj" in n for n in leaves(tree))
-        await pilot.press("enter", "m")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
-        app.screen.query_one("#output").value = str(tmp_path / "out")
-        await pilot.click("#ok")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
-        run = app.screen
-        await wait_for(pilot, lambda: run.finished, tries=400)
+        await pilot.press("enter")
+        await open_form(pilot, app, tmp_path / "out")
+        run = await run_to_end(pilot, app)
         assert "verified" in str(run.query_one("#result").render())
     assert_bit_equal(load(tmp_path / "out"), load(fixtures_root / "w4-hsdp.reference"))
 
@@ -68,13 +90,8 @@ async def test_options_refuse_existing_output(fixtures_root, tmp_path):
     app = make_app(str(fixtures_root / "w2-qwen2-f32"))
     async with app.run_test(size=(120, 40)) as pilot:
         await open_inspector(pilot, app)
-        await pilot.press("m")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
-        app.screen.query_one("#output").value = str(tmp_path / "exists")
-        await pilot.click("#ok")
-        await pilot.pause(0.1)
-        assert isinstance(app.screen, MergeOptionsScreen)
-        assert "exists" in str(app.screen.query_one("#error").render())
+        form = await open_form(pilot, app, tmp_path / "exists")
+        await refused(pilot, form, "#output", str(tmp_path / "exists"), "exists")
 
 
 @pytest.mark.asyncio
@@ -92,9 +109,7 @@ async def test_cancel_midway_leaves_nothing(fixtures_root, tmp_path, monkeypatch
     app = make_app(str(fixtures_root / "w3-llama-f32"))
     async with app.run_test(size=(120, 40)) as pilot:
         await open_inspector(pilot, app)
-        await pilot.press("m")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
-        app.screen.query_one("#output").value = str(out)
+        await open_form(pilot, app, out)
         await pilot.click("#ok")
         await wait_for(pilot, started.is_set)
         run = app.screen
@@ -174,19 +189,10 @@ async def test_lora_summary_and_fold_from_the_form(fixtures_root, tmp_path):
     async with app.run_test(size=(120, 45)) as pilot:
         screen = await open_inspector(pilot, app)
         assert "r=8, alpha=16 on q_proj, v_proj" in str(screen.query_one("#summary").render())
-        await pilot.press("m")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
-        form = app.screen
-        form.query_one("#output").value = str(tmp_path / "out")
-        form.query_one("#lora-alpha").value = "-3"
-        await pilot.click("#ok")
-        await pilot.pause(0.1)
-        assert "--lora-alpha must be positive" in str(form.query_one("#error").render())
+        form = await open_form(pilot, app, tmp_path / "out")
+        await refused(pilot, form, "#lora-alpha", "-3", "--lora-alpha must be positive")
         form.query_one("#lora-alpha").value = "16"
-        await pilot.click("#ok")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
-        run = app.screen
-        await wait_for(pilot, lambda: run.finished, tries=400)
+        await run_to_end(pilot, app)
     exact(load_file(tmp_path / "out" / "model.safetensors"),
           load_file(fixtures_root / "w2-lora-qv.fold" / "model.safetensors"))
 
@@ -203,19 +209,10 @@ async def test_merge_form_uploads_after_verification(fixtures_root, tmp_path, mo
         app = make_app(str(fixtures_root / "w2-qwen2-f32"))
         async with app.run_test(size=(120, 50)) as pilot:
             await open_inspector(pilot, app)
-            await pilot.press("m")
-            await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
-            form = app.screen
-            form.query_one("#output").value = str(tmp_path / "out")
-            form.query_one("#hf-upload").value = "bad repo id"
-            await pilot.click("#ok")
-            await pilot.pause(0.1)
-            assert "not a repository id" in str(form.query_one("#error").render())
+            form = await open_form(pilot, app, tmp_path / "out")
+            await refused(pilot, form, "#hf-upload", "bad repo id", "not a repository id")
             form.query_one("#hf-upload").value = "me/from-the-app"
-            await pilot.click("#ok")
-            await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
-            run = app.screen
-            await wait_for(pilot, lambda: run.finished, tries=600)
+            run = await run_to_end(pilot, app, tries=600)
             assert "uploaded to" in str(run.query_one("#result").render())
     [commit] = hub.commits
     assert commit["repo"] == "me/from-the-app"
