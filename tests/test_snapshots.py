@@ -34,10 +34,11 @@ def test_inspector_filtered(snap_compare, fixtures_root):
 
     async def ready(pilot):
         await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
-        await pilot.press("slash", *"embed", "enter")
+        # typed, not submitted: the pieces table stays empty, because the byte offsets it
+        # shows differ between runs (a DTensor's pickle holds a per-process hash)
+        await pilot.press("slash", *"embed")
         tree = app.screen.query_one("#params")
-        await _until(pilot, lambda: tree.cursor_node is not None
-                     and tree.cursor_node.data is not None)
+        await _until(pilot, lambda: len(tree.root.children) == 1)
         await pilot.pause(0.2)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
