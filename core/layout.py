@@ -133,6 +133,14 @@ class CheckpointLayout:
     resolve_piece: Any = field(default=None, repr=False, compare=False)
 
     @property
+    def mesh_text(self) -> str:
+        """The device mesh as ``ddp=2 x fsdp=2`` (``?`` for unnamed dims), or ``none``."""
+        if not self.mesh_shape:
+            return "none"
+        names = self.mesh_dim_names or ("?",) * len(self.mesh_shape)
+        return " x ".join(f"{n}={s}" for n, s in zip(names, self.mesh_shape))
+
+    @property
     def parameters(self) -> int:
         """Total elements over all tensors."""
         return sum(t.numel for t in self.tensors.values())

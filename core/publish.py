@@ -34,9 +34,7 @@ def model_card(plan, version: str) -> str:
                 arch = (json.loads(Path(src).read_text()).get("architectures") or [arch])[0]
             except (OSError, ValueError, AttributeError):
                 pass
-    mesh = " x ".join(f"{n}={s}" for n, s in zip(layout.mesh_dim_names or
-                                               ("?",) * len(layout.mesh_shape),
-                                               layout.mesh_shape)) or "none"
+    mesh = layout.mesh_text
     par = ", ".join(f"{k}={v}" for k, v in sorted(layout.parallel.items()) if v > 1) or "none"
     dtypes = sorted({t.dtype for f in plan.files for t in f.tensors})
     lora = "none in the checkpoint"

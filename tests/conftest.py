@@ -99,3 +99,12 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)
     return dst
+
+
+async def wait_for(pilot, cond, tries=100):
+    """Let the app run until ``cond()`` holds (checked every 50 ms); fail after ``tries``."""
+    for _ in range(tries):
+        if cond():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("condition not reached")

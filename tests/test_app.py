@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from conftest import wait_for
 from core.execute import _Writer
 from test_merge_exact import assert_bit_equal, load
 from tui.app import make_app
@@ -23,14 +24,6 @@ def leaves(tree: ParamTree) -> list[str]:
             out.append(n.data.name)
         stack.extend(n.children)
     return out
-
-
-async def wait_for(pilot, cond, tries=100):
-    for _ in range(tries):
-        if cond():
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("condition not reached")
 
 
 async def open_inspector(pilot, app):

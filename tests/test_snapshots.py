@@ -4,6 +4,7 @@ change, and look at the SVGs before committing them."""
 
 from __future__ import annotations
 
+from conftest import wait_for
 from tui.app import make_app
 from tui.screens.inspector import InspectorScreen
 from tui.screens.merge_options import MergeOptionsScreen
@@ -11,19 +12,11 @@ from tui.screens.merge_options import MergeOptionsScreen
 SIZE = (110, 34)
 
 
-async def _until(pilot, cond, tries=200):
-    for _ in range(tries):
-        if cond():
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("screen not reached")
-
-
 def test_inspector(snap_compare, fixtures_root):
     app = make_app(str(fixtures_root / "w4-hsdp"))
 
     async def ready(pilot):
-        await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
         await pilot.pause(0.2)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
@@ -33,12 +26,12 @@ def test_inspector_filtered(snap_compare, fixtures_root):
     app = make_app(str(fixtures_root / "w3-llama-f32"))
 
     async def ready(pilot):
-        await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
         # typed, not submitted: the pieces table stays empty, because the byte offsets it
         # shows differ between runs (a DTensor's pickle holds a per-process hash)
         await pilot.press("slash", *"embed")
         tree = app.screen.query_one("#params")
-        await _until(pilot, lambda: len(tree.root.children) == 1)
+        await wait_for(pilot, lambda: len(tree.root.children) == 1, tries=200)
         await pilot.pause(0.2)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
@@ -48,9 +41,9 @@ def test_merge_options(snap_compare, fixtures_root):
     app = make_app(str(fixtures_root / "w2-dcp"))
 
     async def ready(pilot):
-        await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
         await pilot.press("m")
-        await _until(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen), tries=200)
         app.screen.query_one("#output").value = "merged_hf"
         await pilot.pause(0.2)
 
@@ -61,7 +54,7 @@ def test_help(snap_compare, fixtures_root):
     app = make_app(str(fixtures_root / "w2-qwen2-f32"))
 
     async def ready(pilot):
-        await _until(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
         await pilot.press("question_mark")
         await pilot.pause(0.2)
 

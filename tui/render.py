@@ -12,12 +12,9 @@ from tui.format import human_bytes as _human
 def render_layout(layout: CheckpointLayout, console: Console, params: bool = False) -> None:
     """Print the summary, shard files, problems and notes (and every tensor with ``params``)."""
     d = layout.to_dict()
-    mesh = "none"
-    if layout.mesh_shape:
-        names = layout.mesh_dim_names or ("?",) * len(layout.mesh_shape)
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(names, layout.mesh_shape))
-        if layout.mesh_dim_names is None:
-            mesh += " (unnamed)"
+    mesh = layout.mesh_text
+    if layout.mesh_shape and layout.mesh_dim_names is None:
+        mesh += " (unnamed)"
     par = ", ".join(f"{k}={v}" for k, v in d["parallel"].items() if v > 1) or "none"
     s = Table.grid(padding=(0, 2))
     s.add_column(style="bold")

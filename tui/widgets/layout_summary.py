@@ -11,10 +11,7 @@ from tui.format import human_bytes, human_count
 def summary_text(layout: CheckpointLayout) -> str:
     """Rich markup describing ``layout`` (one fact per line)."""
     d = layout.to_dict()
-    mesh = "none"
-    if layout.mesh_shape:
-        names = layout.mesh_dim_names or ("?",) * len(layout.mesh_shape)
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(names, layout.mesh_shape))
+    mesh = layout.mesh_text
     par = " ".join(f"{k}={v}" for k, v in d["parallel"].items() if v > 1) or "none"
     lines = [
         f"[b]format[/]      {layout.format}",
