@@ -36,9 +36,9 @@ def _archives(layout: CheckpointLayout) -> list[tuple[str, int, int]]:
     seen: dict[tuple[str, int, int], None] = {}
     for t in layout.tensors.values():
         for p in t.pieces:
-            if layout.format == "dcp" and p.byte_offset < 0:
-                seen[(p.file, p.stride[0], p.stride[1])] = None
-            elif layout.format == "fsdp":
+            if p.archive is not None:
+                seen[(p.file, *p.archive)] = None
+            elif layout.format in ("fsdp", "megatron-legacy"):
                 seen[(p.file, 0, -1)] = None
     return list(seen)
 

@@ -21,6 +21,9 @@ class Piece:
     ``shape``/``stride``: the stored slice, in elements (strides as torch reports them).
     ``global_offsets``: where the slice starts in the global tensor, one entry per dim.
     ``rank``/``coord``: the rank that wrote it and its coordinate in the device mesh.
+    ``archive``: ``(start, length)`` in bytes of an embedded ``torch.save`` archive (a DCP
+    chunk) not yet located; ``byte_offset`` then counts from that archive's tensor data and
+    ``stride`` assumes it is C-contiguous. ``CheckpointLayout.resolve_piece`` locates it.
     """
 
     file: str
@@ -31,6 +34,7 @@ class Piece:
     global_offsets: tuple[int, ...]
     rank: int | None = None
     coord: tuple[int, ...] | None = None
+    archive: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -65,6 +69,9 @@ class TensorInfo:
     #: True when the pieces index the flattened tensor (1-D ranges of ``numel`` elements), as
     #: DeepSpeed's flat ZeRO partitions store it
     flat: bool = False
+    #: where the tensor comes from when the reader renamed or cut it, e.g. the Megatron
+    #: ``decoder.layers.3.self_attention.linear_qkv.weight`` a ``q_proj`` is cut from
+    source: str | None = None
 
     @property
     def numel(self) -> int:
@@ -128,9 +135,15 @@ class CheckpointLayout:
     notes: list[str] = field(default_factory=list)
     #: :class:`core.lora.LoraInfo` when the checkpoint holds LoRA adapters
     lora: Any = None
-    #: turns a piece whose ``byte_offset`` is -1 (not located yet, e.g. a DCP chunk) into a
-    #: located one; set by readers that defer that work past inspection
+    #: turns a piece with an ``archive`` (not located yet, e.g. a DCP chunk) into a located
+    #: one; set by readers that defer that work past inspection
     resolve_piece: Any = field(default=None, repr=False, compare=False)
+    #: facts about the model and its parallel layout worth showing, in order (label -> text),
+    #: e.g. Megatron's pipeline stages and padded vocabulary
+    details: dict[str, str] = field(default_factory=dict)
+    #: ``config.json`` fields derived from the checkpoint itself (Megatron's ``args``) for a
+    #: merge that finds no config folder: ``{"model_type": ..., field: value}``
+    derived_config: dict[str, Any] | None = None
 
     @property
     def mesh_text(self) -> str:
@@ -185,9 +198,11 @@ class CheckpointLayout:
             "problems": [{"code": p.code, "message": p.message, "path": p.path,
                           "severity": p.severity} for p in self.problems],
             "notes": list(self.notes),
+            "details": dict(self.details),
             "lora": self.lora.to_dict() if hasattr(self.lora, "to_dict") else self.lora,
             "params": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
-                        "placement": t.placement, "pieces": len(t.pieces)}
+                        "placement": t.placement, "pieces": len(t.pieces),
+                        **({"source": t.source} if t.source else {})}
                        for t in self.tensors.values()],
         }
 

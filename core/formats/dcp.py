@@ -18,8 +18,10 @@ model keys beside ``train_state``, ``optimizer`` ..., which are not model weight
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
 from .common import attach_config, clean_key, problem_for, stat_file
@@ -102,7 +104,7 @@ def read(path: str) -> CheckpointLayout:
 
 def _read(path: str) -> CheckpointLayout:
     """Read a DCP folder's layout from ``.metadata`` alone (the chunks' byte locations inside
-    the ``.distcp`` files are resolved later, by :func:`resolve_piece`).
+    the ``.distcp`` files are located later, by the layout's ``resolve_piece``).
 
     Problems: a ``.distcp`` that is missing (``missing-file``) or shorter than a chunk it holds
     (``truncated-file``); chunks that do not tile a tensor. Raises BadCheckpointError when
@@ -117,7 +119,7 @@ def _read(path: str) -> CheckpointLayout:
     storage = m.get("storage_data") or {}
     planner = m.get("planner_data") or {}
     layout = CheckpointLayout(format="dcp", path=str(path), world_size=0)
-    layout.resolve_piece = resolve_piece
+    layout.resolve_piece = make_resolver()
     tensor_keys = [k for k, v in sdm.items() if isinstance(v, Record)
                    and v.name == "TensorStorageMetadata"]
     names = model_keys(tensor_keys, planner)
@@ -161,9 +163,9 @@ def _read(path: str) -> CheckpointLayout:
                 layout.problems.append(Problem(
                     "unsupported-transform", f"{name}: chunk stored with transforms "
                     f"{info.get('transform_descriptors')}", fpath))
-            # byte_offset -1: an embedded torch.save archive at [start, start+length),
-            # resolved by resolve_piece; stride left empty until then.
-            t.pieces.append(Piece(fpath, -1, dtype, csize, (start, length), offsets, rank))
+            # an embedded torch.save archive at [start, start+length), located later
+            t.pieces.append(Piece(fpath, 0, dtype, csize, c_strides(csize), offsets, rank,
+                                  archive=(start, length)))
         layout.tensors[name] = t
     for rel, need in sorted(files.items()):
         fpath = str(d / rel)
@@ -211,21 +213,54 @@ def _rank_of(rel: str) -> int | None:
     return None
 
 
-def resolve_piece(p: Piece) -> Piece:
-    """Locate a DCP chunk's tensor bytes inside its embedded ``torch.save`` archive.
-    Raises BadCheckpointError when the chunk is unreadable or does not hold the shape the
-    metadata gives."""
-    if p.byte_offset >= 0:
-        return p
-    start, length = p.stride
-    arch = read_torch_archive(p.file, base=start, length=length)
-    ref = arch.root
-    if not hasattr(ref, "storage"):
-        raise BadCheckpointError(f"chunk at byte {start} is not a tensor", p.file)
-    if tuple(ref.shape) != p.shape or ref.dtype != p.dtype:
-        raise BadCheckpointError(f"chunk at byte {start} holds {ref.shape} {ref.dtype}, "
-                                 f".metadata says {p.shape} {p.dtype}", p.file)
-    if not ref.fits_storage():
-        raise BadCheckpointError(f"chunk at byte {start}: view outside its storage", p.file)
-    return Piece(p.file, ref.byte_offset, p.dtype, p.shape, ref.stride, p.global_offsets,
-                 p.rank, p.coord)
+def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides (elements) of a C-contiguous tensor of ``shape``."""
+    out, acc = [], 1
+    for size in reversed(shape):
+        out.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(out))
+
+
+def make_resolver():
+    """A ``resolve_piece`` function for one layout: it locates a piece's tensor bytes inside
+    its embedded ``torch.save`` archive (each archive read once, then remembered) and returns
+    the piece with its absolute ``byte_offset``. Raises BadCheckpointError when the chunk is
+    unreadable, is not a tensor of the piece's dtype, is not C-contiguous, or is too small
+    for the piece."""
+    located: dict[tuple[str, int, int], tuple] = {}
+
+    def locate(file: str, start: int, length: int) -> tuple:
+        key = (file, start, length)
+        if key not in located:
+            ref = read_torch_archive(file, base=start, length=length).root
+            if not hasattr(ref, "storage"):
+                raise BadCheckpointError(f"chunk at byte {start} is not a tensor", file)
+            if not ref.fits_storage():
+                raise BadCheckpointError(f"chunk at byte {start}: view outside its storage",
+                                         file)
+            located[key] = (ref.byte_offset, tuple(ref.shape), tuple(ref.stride), ref.dtype)
+        return located[key]
+
+    def resolve_piece(p: Piece) -> Piece:
+        if p.archive is None:
+            return p
+        start = p.archive[0]
+        offset, shape, stride, dtype = locate(p.file, *p.archive)
+        if dtype != p.dtype:
+            raise BadCheckpointError(f"chunk at byte {start} holds {dtype}, .metadata says "
+                                     f"{p.dtype}", p.file)
+        if p.byte_offset == 0 and p.shape == shape:  # the whole chunk, any strides
+            return replace(p, byte_offset=offset, stride=stride, archive=None)
+        numel = 1
+        for s in shape:
+            numel *= s
+        end = (p.byte_offset // ITEMSIZE[p.dtype]
+               + sum((s - 1) * st for s, st in zip(p.shape, p.stride)) + 1)
+        if stride != c_strides(shape) or end > numel:
+            raise BadCheckpointError(f"chunk at byte {start} holds {list(shape)}, which does "
+                                     f"not contain the slice {list(p.shape)} the metadata "
+                                     "implies", p.file)
+        return replace(p, byte_offset=offset + p.byte_offset, archive=None)
+
+    return resolve_piece

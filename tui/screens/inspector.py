@@ -133,7 +133,7 @@ class InspectorScreen(Screen):
         for p in sorted(t.pieces, key=lambda p: p.global_offsets):
             table.add_row("" if p.rank is None else str(p.rank), str(list(p.global_offsets)),
                           str(list(p.shape)),
-                          "deferred" if p.byte_offset < 0 else str(p.byte_offset),
+                          "deferred" if p.archive is not None else str(p.byte_offset),
                           os.path.basename(p.file))
 
     def selected_tensor(self) -> TensorInfo | None:
