@@ -1,6 +1,9 @@
 """Publishing a merged folder: its model card, and the upload to a Hugging Face Hub repository
-with huggingface_hub (``create_repo(exist_ok=True)``, then ``upload_folder``, or
-``upload_large_folder`` above :data:`LARGE` bytes so an interrupted upload resumes).
+with huggingface_hub (``create_repo(exist_ok=True)``, then ``upload_folder``; before
+huggingface_hub 1.20 ``upload_large_folder`` above :data:`LARGE` bytes, so that an interrupted
+upload resumes — from 1.20 ``upload_folder`` itself resumes, and 2.0 removed
+``upload_large_folder``). With a ``progress`` callback (the app), the files go one by one through
+``preupload_lfs_files`` and one ``create_commit``, so that bytes done can be reported.
 
 The token comes from huggingface_hub's usual places (``HF_TOKEN``, the saved login), never from
 our command line; ``HF_ENDPOINT`` selects a private hub. Nothing here prints the token.
@@ -10,10 +13,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from .errors import ShardscopeError
 
-#: folders above this many bytes go through upload_large_folder (resumable)
+#: with huggingface_hub < 1.20, folders above this many bytes go through upload_large_folder
 LARGE = 10 * 10**9
 
 
@@ -66,21 +70,49 @@ Every tensor was copied bit for bit from the shards{", cast with --dtype " + pla
 """
 
 
+def upload_files(folder: str) -> list[tuple[str, Path]]:
+    """The files of ``folder`` that an upload sends, as (path in the repo, local path), sorted:
+    all but ``.git/`` and huggingface_hub's own bookkeeping in ``.cache/huggingface/`` (which
+    an interrupted upload leaves behind), as ``upload_folder`` does."""
+    root = Path(folder)
+    out = []
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        parts = rel.parts
+        if not p.is_file() or ".git" in parts or any(
+                a == ".cache" and b == "huggingface" for a, b in zip(parts, parts[1:])):
+            continue
+        out.append((rel.as_posix(), p))
+    return out
+
+
+def _has_resumable_upload_folder() -> bool:
+    import huggingface_hub
+
+    major, minor = (int(x) for x in huggingface_hub.__version__.split(".")[:2])
+    return (major, minor) >= (1, 20)
+
+
 def upload(folder: str, repo_id: str, private: bool = False, revision: str | None = None,
-           commit_message: str | None = None) -> str:
+           commit_message: str | None = None,
+           progress: Callable[[int, int], None] | None = None) -> str:
     """Create ``repo_id`` if needed and upload ``folder`` to it; returns the commit URL (or the
-    repository URL for a large-folder upload). Raises :class:`UploadError` (the message says
-    how to retry) on any failure; the folder is never changed."""
+    repository URL for a large-folder upload). ``progress(done, total)``, if given, is called
+    (from this thread) with the bytes of the folder's files that have reached the Hub; without
+    it huggingface_hub shows its own bars. Raises :class:`UploadError` (the message says how
+    to retry) on any failure; the folder is never changed."""
     from huggingface_hub import HfApi
 
-    size = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
     api = HfApi()
     message = commit_message or "Upload model merged by shardscope"
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        if size > LARGE:
+        if progress is not None:
+            return _upload_counted(api, folder, repo_id, revision, message, progress)
+        size = sum(p.stat().st_size for _, p in upload_files(folder))
+        if size > LARGE and not _has_resumable_upload_folder():
             api.upload_large_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
                                     revision=revision, private=private)
             return f"{api.endpoint}/{repo_id}"
@@ -91,3 +123,27 @@ def upload(folder: str, repo_id: str, private: bool = False, revision: str | Non
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UploadError(f"upload to {repo_id} failed ({text}); the merged folder is intact: "
                           f"retry with `shardscope upload {folder} {repo_id}`", folder) from None
+
+
+def _upload_counted(api, folder, repo_id, revision, message, progress) -> str:
+    """The upload with bytes counted, through huggingface_hub's public commit API: each file is
+    pre-uploaded alone (``preupload_lfs_files``: LFS/Xet files are sent now, small "regular"
+    files ride inline in the commit), then one ``create_commit``. huggingface_hub has no public
+    byte-level hook (its bars are internal, and hf_xet reads the files itself, so a counting
+    file object would force the slower non-Xet transfer), hence the file-by-file steps. A
+    re-run resumes: files already on the Hub are not sent again."""
+    from huggingface_hub import CommitOperationAdd
+
+    ops = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p))
+           for rel, p in upload_files(folder)]
+    total = sum(op.upload_info.size for op in ops)
+    done = 0
+    progress(done, total)
+    for op in ops:
+        api.preupload_lfs_files(repo_id, [op], revision=revision)
+        if op.path_or_fileobj == b"":  # documented: pre-uploaded content is released
+            done += op.upload_info.size
+            progress(done, total)
+    info = api.create_commit(repo_id, operations=ops, commit_message=message, revision=revision)
+    progress(total, total)
+    return str(info.commit_url)

@@ -1,11 +1,13 @@
 """A stand-in for the Hugging Face Hub on loopback: records what huggingface_hub sends when it
-creates a repository and commits files (every file is asked to be sent inline, "regular"
-mode, so no LFS/Xet storage is involved). Used through ``HF_ENDPOINT``; no test reaches a
-network."""
+creates a repository and commits files. Every file is asked to be sent inline ("regular"
+mode), or with ``lfs=True`` the ``.safetensors`` files go through the LFS batch API and one PUT
+each (basic transfer; tests then turn Xet off, ``HF_HUB_DISABLE_XET``). Used through
+``HF_ENDPOINT``; no test reaches a network."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,9 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class FakeHub:
     """``with FakeHub() as hub:`` -> ``hub.url``; afterwards ``hub.repos`` (create requests),
     ``hub.commits`` (dicts with ``repo``, ``revision``, ``header``, ``files``: path -> bytes),
-    ``hub.auth`` (Authorization headers seen), ``hub.paths`` (every request line)."""
+    ``hub.auth`` (Authorization headers seen), ``hub.paths`` (every request line), ``hub.lfs``
+    (sha256 -> bytes stored by PUT), ``hub.puts`` (sha256 of every PUT, in order)."""
 
-    def __init__(self, fail_commits: int = 0):
+    def __init__(self, fail_commits: int = 0, lfs: bool = False):
         self.repos: list[dict] = []
         self.commits: list[dict] = []
         self.auth: list[str] = []
@@ -24,6 +27,8 @@ class FakeHub:
         self.branches: list[str] = []
         self.cards: list[dict] = []
         self.fail_commits = fail_commits
+        self.lfs: dict[str, bytes] = {}
+        self.puts: list[str] = []
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -39,11 +44,32 @@ class FakeHub:
                 self.wfile.write(body)
 
             def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while n := int(self.rfile.readline().split(b";")[0], 16):
+                        out += self.rfile.read(n)
+                        self.rfile.readline()
+                    self.rfile.readline()
+                    return out
                 n = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(n)
 
+            def do_PUT(self):  # an LFS object (the href the batch answer gave)
+                hub.paths.append(f"PUT {self.path}")
+                body = self._body()
+                oid = self.path.rsplit("/", 1)[-1]
+                assert hashlib.sha256(body).hexdigest() == oid
+                hub.lfs[oid] = body
+                hub.puts.append(oid)
+                self._json(200, {})
+
             def do_GET(self):
                 hub.paths.append(f"GET {self.path}")
+                parts = self.path.split("?")[0].strip("/").split("/")
+                if len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "revision":
+                    # repo_info, which upload_large_folder asks (before huggingface_hub 1.20)
+                    return self._json(200, {"id": f"{parts[2]}/{parts[3]}", "sha": "a" * 40,
+                                            "xetEnabled": False, "siblings": []})
                 self._json(404, {"error": "not found"})
 
             def do_POST(self):
@@ -65,8 +91,16 @@ class FakeHub:
                 if len(parts) >= 6 and parts[0] == "api" and parts[4] == "preupload":
                     files = json.loads(body).get("files", [])
                     return self._json(200, {"files": [
-                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                        {"path": f["path"], "shouldIgnore": False, "uploadMode":
+                         "lfs" if lfs and f["path"].endswith(".safetensors") else "regular"}
                         for f in files]})
+                if self.path.endswith(".git/info/lfs/objects/batch"):
+                    objects = [{"oid": o["oid"], "size": o["size"]}
+                               for o in json.loads(body)["objects"]]
+                    for o in objects:  # no "actions": already stored, nothing to send
+                        if o["oid"] not in hub.lfs:
+                            o["actions"] = {"upload": {"href": f"{hub.url}/lfs/{o['oid']}"}}
+                    return self._json(200, {"transfer": "basic", "objects": objects})
                 if len(parts) >= 6 and parts[0] == "api" and parts[4] == "commit":
                     if hub.fail_commits > 0:
                         hub.fail_commits -= 1
@@ -80,6 +114,9 @@ class FakeHub:
                         elif item["key"] == "file":
                             v = item["value"]
                             commit["files"][v["path"]] = base64.b64decode(v["content"])
+                        elif item["key"] == "lfsFile":
+                            v = item["value"]
+                            commit["files"][v["path"]] = hub.lfs[v["oid"]]
                     hub.commits.append(commit)
                     return self._json(200, {"commitUrl": f"{hub.url}/{commit['repo']}/commit/"
                                             + "a" * 40, "commitOid": "a" * 40})

@@ -210,3 +210,43 @@ async def test_merge_form_uploads_after_verification(fixtures_root, tmp_path, mo
     [commit] = hub.commits
     assert commit["repo"] == "me/from-the-app"
     assert commit["files"]["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.asyncio
+async def test_upload_progress_bar_reaches_the_total(fixtures_root, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    from textual.widgets import ProgressBar
+
+    from core.publish import upload_files
+    from fake_hub import FakeHub
+    from tui.format import human_bytes
+
+    calls = []
+    real = MergeRunScreen.on_upload_progress
+
+    def recorded(self, done, total):
+        calls.append((done, total))
+        real(self, done, total)
+
+    monkeypatch.setattr(MergeRunScreen, "on_upload_progress", recorded)
+    with FakeHub(lfs=True) as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setenv("HF_TOKEN", "hf_app_test_token")
+        app = make_app(str(fixtures_root / "w2-qwen2-f32"))
+        async with app.run_test(size=(120, 50)) as pilot:
+            await open_inspector(pilot, app)
+            form = await open_form(pilot, app, tmp_path / "out")
+            form.query_one("#hf-upload").value = "me/with-a-bar"
+            run = await run_to_end(pilot, app, tries=600)
+            bar = run.query_one("#upload", ProgressBar)
+            label = str(run.query_one("#upload-label").render())
+            assert bar.display and run.query_one("#upload-label").display
+            total = sum(p.stat().st_size for _, p in upload_files(str(tmp_path / "out")))
+            assert (bar.total, bar.progress) == (total, total)
+            assert "uploaded to" in str(run.query_one("#result").render())
+    weights = (tmp_path / "out" / "model.safetensors").stat().st_size
+    assert calls == [(0, total), (weights, total), (total, total)]  # the weights, then the rest
+    assert hub.puts and hub.commits[-1]["files"]["model.safetensors"] == \
+        (tmp_path / "out" / "model.safetensors").read_bytes()
+    assert label == f"uploaded {human_bytes(total)} of {human_bytes(total)}"

@@ -1,5 +1,6 @@
 """The merge run: a thread worker runs the core; the screen polls shared counters (so a fast
-merge never floods the message queue) and shows one bar per source file and one overall.
+merge never floods the message queue) and shows one bar per source file and one overall; an
+upload to the Hub after the merge gets a bar of bytes sent, polled the same way.
 Escape cancels: the core sees the worker's cancel event and removes its temporary folder."""
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class MergeRunScreen(Screen):
         self.lock = threading.Lock()
         self.finished = False
         self.plan = None
+        self.uploading = False  # the status line then stays "uploading to …"
+        self.uploaded: tuple[int, int] | None = None  # bytes sent, total; set by the worker
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -46,6 +49,8 @@ class MergeRunScreen(Screen):
             yield Label("written (all output files)")
             yield ProgressBar(id="overall", show_eta=False)
             yield VerticalScroll(id="sources")
+            yield Label("uploaded", id="upload-label", classes="upload")
+            yield ProgressBar(id="upload", show_eta=False, classes="upload")
             yield Static("", id="result")
         yield Footer()
 
@@ -60,6 +65,11 @@ class MergeRunScreen(Screen):
             self.latest = ev
             if ev.source:
                 self.per_source[ev.source] = ev.source_read
+
+    def on_upload_progress(self, done: int, total: int) -> None:
+        """Called from the worker thread during the upload: only stores the byte counts."""
+        with self.lock:
+            self.uploaded = (done, total)
 
     @work(thread=True, group="merge", exclusive=True, exit_on_error=False,
           description="merge")
@@ -78,10 +88,9 @@ class MergeRunScreen(Screen):
             if self.options.hf_upload and not problems:
                 from core.publish import upload
 
-                self.app.call_from_thread(self.query_one("#status", Label).update,
-                                          f"uploading to {self.options.hf_upload}…")
+                self.app.call_from_thread(self._show_upload)
                 url = upload(result.output, self.options.hf_upload,
-                             private=self.options.private)
+                             private=self.options.private, progress=self.on_upload_progress)
                 result.warnings.append(f"uploaded to {url}")
             self.post_message(MergeFinished(result, problems))
         except MergeCancelled:
@@ -100,15 +109,26 @@ class MergeRunScreen(Screen):
                 box.mount(Label(f"read {os.path.basename(path)}"))
                 box.mount(ProgressBar(total=total, show_eta=False, id=f"src-{i}"))
 
+    def _show_upload(self) -> None:
+        self.uploading = True
+        self.query_one("#status", Label).update(f"uploading to {self.options.hf_upload}…")
+        for w in self.query(".upload"):
+            w.display = True
+
     def _poll(self) -> None:
         if self.plan is None:
             return
         with self.lock:
-            ev, per = self.latest, dict(self.per_source)
+            ev, per, uploaded = self.latest, dict(self.per_source), self.uploaded
+        if uploaded is not None:
+            done, total = uploaded
+            self.query_one("#upload", ProgressBar).update(total=total, progress=done)
+            self.query_one("#upload-label", Label).update(
+                f"uploaded {human_bytes(done)} of {human_bytes(total)}")
         if ev is None:
             return
         self.query_one("#overall", ProgressBar).update(progress=ev.bytes_written)
-        if not self.finished:
+        if not self.finished and not self.uploading:
             elapsed = time.monotonic() - self.started
             rate = ev.bytes_written / elapsed if elapsed > 0 else 0
             self.query_one("#status", Label).update(
