@@ -188,6 +188,11 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     """
     out = Path(options.output)
     check_output(out, options.overwrite, layout.path)
+    if (layout.format.startswith("megatron") and options.hf_config
+            and layout.config_dir != str(options.hf_config)):
+        from .formats import detect  # the cut into Hugging Face tensors depends on the config
+
+        layout = detect(layout.path, hf_config=options.hf_config)
     if layout.errors:
         first = layout.errors[0]
         more = f" (and {len(layout.errors) - 1} more problems)" if len(layout.errors) > 1 else ""
@@ -211,10 +216,17 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
             raise UsageError("has no config.json", options.hf_config)
         config_dir = options.hf_config
         copy = config_files(options.hf_config)
-    if config_dir is None:
+    derived = None
+    if config_dir is None and layout.derived_config:
+        derived = derived_config_json(layout.derived_config)
+        warnings.append("no Hugging Face config found: config.json derived from the "
+                        "checkpoint's args (no tokenizer); pass --hf-config DIR for the real "
+                        "one")
+    elif config_dir is None:
         warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
                         "weights only and will not load with from_pretrained")
-    tied = tie_word_embeddings(config_dir)
+    tied = (tie_word_embeddings(config_dir) if config_dir
+            else (layout.derived_config or {}).get("tie_word_embeddings"))
     lora, adapter = lora_choice(layout, options)
     mode = options.lora if lora is not None else None
     # output name -> source tensor name
@@ -258,6 +270,8 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         tensors[out_name] = ot
     files, index = _shard(tensors, max_shard)
     generated: dict[str, bytes] = {}
+    if derived is not None:
+        generated["config.json"] = derived
     if mode in ("adapter", "both"):
         atensors = []
         for module, (a, b) in sorted(lora_src.items(), key=lambda kv: natural_key(kv[0])):
@@ -282,6 +296,17 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
 
         plan.generated["README.md"] = model_card(plan, _version()).encode()
     return plan
+
+
+def derived_config_json(fields: dict) -> bytes:
+    """``config.json`` bytes for config fields derived from a checkpoint (``model_type`` plus
+    the family's field names), written by transformers' config class of that family so the
+    file has every default ``from_pretrained`` expects."""
+    from transformers import AutoConfig
+
+    kw = dict(fields)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    return cfg.to_json_string(use_diff=False).encode()
 
 
 def _version() -> str:

@@ -110,9 +110,13 @@ def hf_config(f: Family):
     return AutoConfig.for_model(f.hf_type, **kw)
 
 
-def megatron_args(f: Family, tp: int, pp: int, vpp: int, ep: int) -> argparse.Namespace:
+def megatron_args(f: Family, tp: int, pp: int, vpp: int, ep: int,
+                  uneven: bool = False) -> argparse.Namespace:
     """The ``args`` record ``megatron.training`` stores in every checkpoint (the fields the
-    readers use, with Megatron-LM's names)."""
+    readers use, with Megatron-LM's names and value types: a torch dtype, a megatron enum)."""
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
     return argparse.Namespace(
         num_layers=f.layers, hidden_size=f.hidden, ffn_hidden_size=f.ffn,
         num_attention_heads=f.heads, num_query_groups=f.groups, group_query_attention=True,
@@ -124,8 +128,23 @@ def megatron_args(f: Family, tp: int, pp: int, vpp: int, ep: int) -> argparse.Na
         num_experts=f.experts or None, moe_router_topk=f.topk if f.experts else 2,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp or None, expert_model_parallel_size=ep,
-        world_size=tp * pp * ep, params_dtype="torch.float32", bf16=False, fp16=False,
-        iteration=ITERATION, tokenizer_type="HuggingFaceTokenizer")
+        world_size=tp * pp * ep, params_dtype=torch.float32, bf16=False, fp16=False,
+        iteration=ITERATION, tokenizer_type="HuggingFaceTokenizer",
+        attention_backend=AttnBackend.auto,
+        num_layers_in_first_pipeline_stage=1 if uneven else None,
+        num_layers_in_last_pipeline_stage=f.layers - 1 if uneven else None)
+
+
+def _rng_state() -> list:
+    """The ``rng_state`` entry ``megatron.training`` writes (Python, numpy and torch
+    generator states)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}]
 
 
 def write_megatron(root: str | os.PathLike, family: str, layouts=None) -> Path:
@@ -355,7 +374,7 @@ def _write_layout(rank: int, world: int, f: Family, out: Path, full: Path, tp: i
     else:
         for v, m in enumerate(chunks):
             m.load_state_dict(loaded[f"model{v}"])
-    args = megatron_args(f, tp, pp, vpp, ep)
+    args = megatron_args(f, tp, pp, vpp, ep, uneven)
     it = f"iter_{ITERATION:07d}"
     dist_dir, legacy_dir = out / "torch_dist", out / "legacy"
     if rank == 0:
@@ -380,7 +399,8 @@ def _write_layout(rank: int, world: int, f: Family, out: Path, full: Path, tp: i
             name += f"_{ps.get_expert_model_parallel_rank():03d}"
         d = legacy_dir / it / name
         d.mkdir(parents=True, exist_ok=True)
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                 "rng_state": _rng_state()}
         if len(chunks) == 1:
             state["model"] = chunks[0].state_dict_for_save_checkpoint()
         else:

@@ -11,14 +11,17 @@ from ..layout import CheckpointLayout
 
 
 def _readers():
-    from . import dcp, dcp_hf, deepspeed, fsdp, hf
+    from . import dcp, dcp_hf, deepspeed, fsdp, hf, megatron_dist, megatron_legacy
 
-    # order matters: a DCP or FSDP folder may also hold a stray model.safetensors
-    return [("dcp", dcp), ("fsdp", fsdp), ("deepspeed", deepspeed), ("dcp-hf", dcp_hf),
+    # order matters: a DCP or FSDP folder may also hold a stray model.safetensors, and a
+    # Megatron torch_dist folder is a DCP folder with Megatron's names
+    return [("megatron-dist", megatron_dist), ("megatron-legacy", megatron_legacy),
+            ("dcp", dcp), ("fsdp", fsdp), ("deepspeed", deepspeed), ("dcp-hf", dcp_hf),
             ("hf", hf)]
 
 
-def detect(path: str | os.PathLike, deepspeed_weights: str = "master") -> CheckpointLayout:
+def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
+           hf_config: str | None = None) -> CheckpointLayout:
     """Detect the format of ``path`` from its files alone and read its layout (metadata only).
 
     ``path`` may be a checkpoint folder or one file inside it. ``deepspeed_weights``: for a
@@ -40,6 +43,8 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master") -> Checkp
 
             if mod.__name__.endswith(".deepspeed"):
                 layout = mod.read(str(p), weights=deepspeed_weights)
+            elif mod.__name__.endswith((".megatron_dist", ".megatron_legacy")):
+                layout = mod.read(str(p), hf_config=hf_config)
             else:
                 layout = mod.read(str(p))
             layout.problems.extend(config_problems(layout))
@@ -47,6 +52,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master") -> Checkp
                                       layout.path)
             return layout
     raise BadCheckpointError(
-        "not a checkpoint shardscope knows (looked for .metadata, model_world_size_*_rank_*.pt, "
+        "not a checkpoint shardscope knows (looked for .metadata, latest_checkpointed_iteration"
+        ".txt, mp_rank_*/, model_world_size_*_rank_*.pt, "
         "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors)",
         str(given))

@@ -113,7 +113,19 @@ _RECORD_MODULES = (
     # DeepSpeed's checkpoint records (loss scaler, ZeRO stage enum, fragment addresses): read
     # as data, never imported
     "deepspeed.runtime", "deepspeed.utils", "deepspeed.checkpoint",
+    # Megatron-LM's enums inside ``args`` (e.g. AttnBackend), read as data, never imported
+    "megatron",
 )
+
+# Single globals of a Megatron-LM checkpoint that are data too: ``args`` is an
+# argparse.Namespace; ``rng_state`` holds numpy's generator state (an ndarray, pickled through
+# numpy's reconstructor and ``_codecs.encode``). Kept as records, never called.
+_RECORD_GLOBALS = frozenset({
+    ("argparse", "Namespace"), ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("_codecs", "encode"),
+})
 
 
 class StateDict(dict):
@@ -216,7 +228,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         if module == "torch" and name in ("contiguous_format", "preserve_format",
                                           "channels_last", "strided"):
             return name
-        if any(module == m or module.startswith(m + ".") for m in _RECORD_MODULES):
+        if (module, name) in _RECORD_GLOBALS or any(
+                module == m or module.startswith(m + ".") for m in _RECORD_MODULES):
             return _make_record_class(module, name)
         raise UnsafeCheckpointError(
             f"pickle names the global {module}.{name}, which is not a tensor record; refusing to "

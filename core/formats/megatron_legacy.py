@@ -1,0 +1,393 @@
+"""Megatron-LM legacy per-rank checkpoints: ``iter_NNNNNNN/mp_rank_{tp:02d}[_{pp:03d}]
+[_{ep:03d}]/model_optim_rng.pt`` (or ``release/``), with ``latest_checkpointed_iteration.txt``
+at the top.
+
+Format facts (FORMATS.md; megatron.training's ``get_checkpoint_name``; checked on files written
+by megatron-core 0.16.1): each file is a ``torch.save`` of ``{"args": Namespace, "model": state
+dict (or "model0".."model{V-1}" under VPP), "checkpoint_version", "iteration", "rng_state",
+"optimizer"...}`` written by the first data-parallel replica of each model-parallel rank. The
+PP index appears in the folder name only when PP > 1, the EP index only when EP > 1. With EP,
+every EP rank's file holds the dense weights too (replicas) plus its local experts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .. import megatron as mg
+from ..errors import BadCheckpointError
+from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
+from .common import attach_config, problem_for, read_config, stat_file
+from .torchsave import TensorRef, read_torch_archive
+
+RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+FILE_NAMES = ("model_optim_rng.pt", "model_rng.pt")
+
+#: replicated tensors up to this many bytes are compared across ranks when inspecting
+REPLICA_CHECK_BYTES = 1 << 20
+
+#: how a Megatron tensor is split across TP ranks, by the end of its name
+ROW = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+       "embedding.word_embeddings.weight", "output_layer.weight")
+GATED = ("linear_fc1.weight", "linear_fc1.bias")
+COL = ("self_attention.linear_proj.weight", "linear_fc2.weight")
+
+
+def iteration_dir(path: Path) -> Path | None:
+    """The ``iter_*``/``release`` folder of a Megatron checkpoint: ``path`` itself, the one
+    ``latest_checkpointed_iteration.txt`` names, or the parent of a ``mp_rank_*`` folder."""
+    try:
+        tracker = path / "latest_checkpointed_iteration.txt"
+        if tracker.is_file():
+            text = tracker.read_text().strip()
+            d = path / ("release" if text == "release" else f"iter_{int(text):07d}")
+            if not d.is_dir():
+                raise BadCheckpointError(f"names iteration {text}, whose folder {d.name} is "
+                                         "missing", str(tracker))
+            return d
+        if RANK_DIR_RE.match(path.name):
+            return path.parent
+        if re.match(r"^(iter_\d+|release)$", path.name):
+            return path
+    except ValueError:
+        raise BadCheckpointError("does not hold an iteration number", str(tracker)) from None
+    return None
+
+
+def _rank_dirs(d: Path) -> dict[tuple[int, int | None, int | None], Path]:
+    out = {}
+    try:
+        for name in os.listdir(d):
+            if m := RANK_DIR_RE.match(name):
+                out[(int(m[1]), None if m[2] is None else int(m[2]),
+                     None if m[3] is None else int(m[3]))] = d / name
+    except OSError:
+        return {}
+    return out
+
+
+def sniff(path: str) -> bool:
+    """True when ``path`` is a legacy Megatron checkpoint (or its iteration folder)."""
+    try:
+        d = iteration_dir(Path(path))
+    except BadCheckpointError:
+        return (Path(path) / "latest_checkpointed_iteration.txt").is_file() and not any(
+            Path(path).glob("iter_*/metadata.json"))
+    return d is not None and bool(_rank_dirs(d))
+
+
+def _model_file(d: Path) -> Path:
+    for n in FILE_NAMES:
+        if (d / n).exists():
+            return d / n
+    return d / FILE_NAMES[0]
+
+
+def _chunks(root) -> list[dict]:
+    """The model state dicts of one file: ``[model]`` or ``[model0, model1, ...]``."""
+    if not isinstance(root, dict):
+        return []
+    if "model" in root:
+        return [root["model"]]
+    out, v = [], 0
+    while f"model{v}" in root:
+        out.append(root[f"model{v}"])
+        v += 1
+    return out
+
+
+def _split_rule(rest: str, swiglu: bool) -> str:
+    if rest.endswith(GATED):
+        return "gated" if swiglu else "row"
+    if rest.endswith(ROW):
+        return "row"
+    if rest.endswith(COL):
+        return "col"
+    return "replicated"
+
+
+def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
+    """Read a legacy Megatron checkpoint's layout (pickles only, no tensor data except the
+    small replicated tensors compared across ranks) and cut it into Hugging Face tensors.
+
+    Problems: a rank folder or file missing (``missing-rank``), an unreadable or truncated
+    file, sizes in ``args`` that disagree with the folders (``parallel-mismatch``), replicas
+    that differ (``replica-mismatch``), shapes that disagree between ranks
+    (``shape-mismatch``), tensors with no Hugging Face name (``unmapped-tensor``).
+    Raises BadCheckpointError when no rank file can be read at all.
+    """
+    p = Path(path)
+    d = iteration_dir(p)
+    if d is None:
+        raise BadCheckpointError("no iter_* folder and no latest_checkpointed_iteration.txt",
+                                 path)
+    dirs = _rank_dirs(d)
+    layout = CheckpointLayout(format="megatron-legacy", path=str(path), world_size=0)
+    contents: dict[tuple, tuple[str, list[dict]]] = {}
+    args: dict = {}
+    for key, rd in sorted(dirs.items(), key=lambda kv: str(kv[1])):
+        f = _model_file(rd)
+        sf = stat_file(str(f))
+        layout.files.append(sf)
+        if sf.status == "missing":
+            layout.problems.append(Problem("missing-rank", f"{rd.name} holds no "
+                                           f"{FILE_NAMES[0]}", str(f)))
+            continue
+        try:
+            root = read_torch_archive(str(f)).root
+        except BadCheckpointError as e:
+            sf.status = "unreadable"
+            layout.problems.append(problem_for(e, str(f)))
+            continue
+        contents[key] = (str(f), _chunks(root))
+        if not args and isinstance(root, dict):
+            args = mg.namespace(root.get("args"))
+    if not contents:
+        raise BadCheckpointError("no readable mp_rank_* model file", str(d))
+    grid = _grid(dirs, contents, args, d, layout)
+    if grid is None:
+        return layout
+    tp, pp, ep, vpp, files = grid
+    layout.parallel = {k: v for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v > 1}
+    if vpp > 1:
+        layout.parallel["vpp"] = vpp
+    layout.world_size = tp * pp * ep
+    layout.mesh_shape = (pp, tp, ep) if ep > 1 else (pp, tp)
+    layout.mesh_dim_names = ("pp", "tp", "ep") if ep > 1 else ("pp", "tp")
+    for sf in layout.files:
+        for (t, s, e), (f, _) in files.items():
+            if f == sf.path:
+                sf.rank = t + tp * (e + ep * s)
+    stage_layers, offsets = _layer_offsets(files, pp, vpp)
+    swiglu = bool(args.get("swiglu", True))
+    mt, replicas, where = _gather(files, offsets, tp, ep, swiglu, args, layout)
+    _check_replicas(replicas, layout)
+    if layout.errors:
+        return layout
+    for t in mt.values():
+        layout.problems.extend(coverage_problems(t))
+    config_dir = Path(hf_config) if hf_config else _config_dir(p, d)
+    attach_config(layout, config_dir)
+    config = read_config(config_dir)
+    arch, probs = mg.arch_from(args, config, {n: t.shape for n, t in mt.items()}, str(path))
+    layout.problems.extend(probs)
+    if arch is None:
+        return layout
+    if config is None:
+        layout.derived_config = arch.hf_config()
+        for g in arch.guessed:
+            layout.problems.append(Problem("config-guessed", f"no Hugging Face config: {g}",
+                                           str(path), "warning"))
+    layout.tensors, probs = mg.to_hf(mt, arch, str(path))
+    layout.problems.extend(probs)
+    stages = mg.pipeline_text(stage_layers, pp, vpp)
+    layout.details = mg.describe(arch, layout.parallel, stages, where,
+                                 "in every model_optim_rng.pt" if args else "none")
+    return layout
+
+
+def _grid(dirs, contents, args, d: Path, layout: CheckpointLayout):
+    """(tp, pp, ep, vpp, {(tp, pp, ep): (file, chunks)}) from the folder names and ``args``;
+    None (with problems) when they cannot be reconciled."""
+    tp_a = args.get("tensor_model_parallel_size")
+    pp_a = args.get("pipeline_model_parallel_size")
+    ep_a = args.get("expert_model_parallel_size")
+    second = {k[1] for k in dirs if k[1] is not None}
+    third = {k[2] for k in dirs if k[2] is not None}
+    # one extra index is PP when PP > 1, else EP (megatron.training's naming)
+    if third:
+        kind = ("pp", "ep")
+    elif second and (ep_a or 1) > 1 and (pp_a or 1) == 1:
+        kind = ("ep", None)
+    else:
+        kind = ("pp", None) if second else (None, None)
+    files = {}
+    for (t, a, b), v in contents.items():
+        idx = {"tp": t, "pp": 0, "ep": 0}
+        if kind[0]:
+            idx[kind[0]] = a or 0
+        if kind[1]:
+            idx[kind[1]] = b or 0
+        files[(idx["tp"], idx["pp"], idx["ep"])] = v
+    found = {"tp": 1 + max(k[0] for k in dirs), "pp": 1, "ep": 1}
+    if kind[0]:
+        found[kind[0]] = 1 + max((k[1] or 0) for k in dirs)
+    if kind[1]:
+        found[kind[1]] = 1 + max((k[2] or 0) for k in dirs)
+    sizes = {}
+    for name, arg in (("tp", tp_a), ("pp", pp_a), ("ep", ep_a)):
+        sizes[name] = arg or found[name]
+        if arg and found[name] > arg:
+            layout.problems.append(Problem(
+                "parallel-mismatch", f"the folders give {name.upper()}={found[name]}, args "
+                f"say {arg}", str(d)))
+            return None
+    tp, pp, ep = sizes["tp"], sizes["pp"], sizes["ep"]
+    vpp_a = args.get("virtual_pipeline_model_parallel_size") or 1
+    vpp = max(len(c) for _, c in files.values())
+    if vpp != vpp_a and args:
+        layout.problems.append(Problem("parallel-mismatch", f"the files hold {vpp} model chunks "
+                                       f"(VPP), args say {vpp_a}", str(d)))
+        return None
+    for t in range(tp):
+        for s in range(pp):
+            for e in range(ep):
+                if (t, s, e) in files:
+                    continue
+                name = f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (
+                    f"_{e:03d}" if ep > 1 else "")
+                if not any(sf.path.startswith(str(d / name) + os.sep) for sf in layout.files):
+                    layout.problems.append(Problem(
+                        "missing-rank", f"{name}/ is missing (TP={tp}, PP={pp}, EP={ep})",
+                        str(d / name)))
+    return tp, pp, ep, vpp, files
+
+
+def _layer_offsets(files, pp: int, vpp: int):
+    """Global number of each chunk's first layer: chunks ordered (vpp chunk, stage), each as
+    long as the layers its files hold (so uneven stages work). Returns ({(stage, chunk):
+    global layer ids}, {(stage, chunk): offset})."""
+    counts: dict[tuple[int, int], int] = {}
+    for (t, s, e), (_, chunks) in files.items():
+        for v, sd in enumerate(chunks):
+            ids = {int(m[1]) for k in sd if (m := mg.LAYER_RE.match(k))}
+            counts[(s, v)] = max(counts.get((s, v), 0), max(ids) + 1 if ids else 0)
+    offsets, stage_layers, at = {}, {}, 0
+    for v in range(max(vpp, 1)):
+        for s in range(pp):
+            n = counts.get((s, v), 0)
+            offsets[(s, v)] = at
+            stage_layers[(s, v)] = list(range(at, at + n))
+            at += n
+    return stage_layers, offsets
+
+
+def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
+    """The normalised Megatron tensors (global names, TP merged, fc1 de-interleaved), the
+    replicas of each replicated tensor, and a sentence on where embeddings live."""
+    etp = args.get("expert_tensor_parallel_size") or tp
+    mt: dict[str, TensorInfo] = {}
+    replicas: dict[str, list[Piece]] = {}
+    owners: dict[str, set] = {}
+    local_shapes: dict[str, tuple] = {}
+    for (t, s, e), (f, chunks) in sorted(files.items()):
+        for v, sd in enumerate(chunks):
+            if not isinstance(sd, dict):
+                continue
+            n_experts = 1 + max([int(x[1]) for k in sd if (m := mg.LAYER_RE.match(k))
+                                 and (x := mg.EXPERT_RE.match(m[2]))] or [-1])
+            for key, ref in sd.items():
+                if not isinstance(ref, TensorRef):
+                    continue
+                name, expert = key, False
+                if m := mg.LAYER_RE.match(key):
+                    rest = m[2]
+                    if x := mg.EXPERT_RE.match(rest):
+                        expert = True
+                        rest = f"mlp.experts.local_experts.{e * n_experts + int(x[1])}.{x[2]}"
+                    name = f"decoder.layers.{offsets[(s, v)] + int(m[1])}.{rest}"
+                rule = _split_rule(name, swiglu)
+                if expert and etp == 1:
+                    rule = "replicated"
+                elif expert and etp != tp:
+                    layout.problems.append(Problem(
+                        "unsupported-layout", f"expert tensor parallel size {etp} differs from "
+                        f"TP={tp}", f))
+                    return mt, replicas, ""
+                if not ref.fits_storage():
+                    layout.problems.append(Problem(
+                        "unreadable-file", f"{key}: view outside its storage", f))
+                    continue
+                shape = tuple(ref.shape)
+                if local_shapes.setdefault(name, shape) != shape:
+                    layout.problems.append(Problem(
+                        "shape-mismatch", f"{name}: {list(shape)} here, "
+                        f"{list(local_shapes[name])} on another rank", f))
+                    continue
+                owners.setdefault(name.split(".decoder")[0] if "layers" not in name
+                                  else "layers", set()).add((s, t))
+                # replicas: the same slice on another TP rank, or dense weights on another EP rank
+                primary = (rule == "replicated" and t == 0 or rule != "replicated") and (
+                    expert or e == 0)
+                if rule == "replicated" or (not expert and e > 0):
+                    replicas.setdefault(f"{name}@{t if rule != 'replicated' else 0}",
+                                        []).append(Piece(f, ref.byte_offset, ref.dtype, shape,
+                                                         tuple(ref.stride), (0,) * len(shape)))
+                if not primary:
+                    continue
+                _add(mt, name, rule, ref, f, t, tp, (s, t, e) if ep > 1 else (s, t))
+    where = []
+    for key, label in (("embedding.word_embeddings.weight", "embedding"),
+                       ("output_layer.weight", "output layer")):
+        stages = sorted({s for s, _ in owners.get(key, ())})
+        if stages:
+            where.append(f"{label} on stage {', '.join(map(str, stages))}")
+    return mt, replicas, "; ".join(where) or "none found"
+
+
+def _add(mt, name: str, rule: str, ref: TensorRef, f: str, t: int, tp: int, coord) -> None:
+    """Add TP rank ``t``'s slice of ``name`` as pieces of its global tensor."""
+    shape, stride = tuple(ref.shape), tuple(ref.stride)
+    zeros = (0,) * len(shape)
+    if rule == "replicated":
+        g = shape
+        pieces = [Piece(f, ref.byte_offset, ref.dtype, shape, stride, zeros, None, coord)]
+    elif rule == "col":
+        g = (shape[0], shape[1] * tp) + shape[2:]
+        pieces = [Piece(f, ref.byte_offset, ref.dtype, shape, stride,
+                        (0, t * shape[1]) + zeros[2:], None, coord)]
+    elif rule == "row":
+        g = (shape[0] * tp,) + shape[1:]
+        pieces = [Piece(f, ref.byte_offset, ref.dtype, shape, stride,
+                        (t * shape[0],) + zeros[1:], None, coord)]
+    else:  # gated: this rank's [gate_r; up_r] -> rows of the global [gate; up]
+        half = shape[0] // 2
+        g = (shape[0] * tp,) + shape[1:]
+        step = half * stride[0] * _itemsize(ref.dtype)
+        pieces = [Piece(f, ref.byte_offset + k * step, ref.dtype, (half,) + shape[1:], stride,
+                        (k * half * tp + t * half,) + zeros[1:], None, coord) for k in (0, 1)]
+    info = mt.get(name)
+    if info is None:
+        placement = {"replicated": "TP Replicate()", "col": "TP Shard(1)", "row": "TP Shard(0)",
+                     "gated": "TP Shard(0) of gate and up"}[rule] if tp > 1 else "plain"
+        info = mt[name] = TensorInfo(name, g, ref.dtype, placement, source=name)
+    info.pieces.extend(pieces)
+
+
+def _itemsize(dtype: str) -> int:
+    from ..dtypes import ITEMSIZE
+
+    return ITEMSIZE[dtype]
+
+
+def _check_replicas(replicas: dict[str, list[Piece]], layout: CheckpointLayout) -> None:
+    """Compare the bytes of small replicated tensors across the ranks that hold them."""
+    for key, pieces in replicas.items():
+        first = pieces[0]
+        if len(pieces) < 2 or first.nbytes > REPLICA_CHECK_BYTES or not first.contiguous:
+            continue
+        want = _read(first)
+        for p in pieces[1:]:
+            if p.shape == first.shape and p.contiguous and want is not None \
+                    and _read(p) != want:
+                layout.problems.append(Problem(
+                    "replica-mismatch", f"{key.rsplit('@', 1)[0]} differs from its copy in "
+                    f"{Path(first.file).parent.name}: replicas must be identical", p.file))
+
+
+def _read(p: Piece) -> bytes | None:
+    try:
+        with open(p.file, "rb") as fh:
+            return os.pread(fh.fileno(), p.nbytes, p.byte_offset)
+    except OSError:
+        return None
+
+
+def _config_dir(path: Path, d: Path) -> Path | None:
+    for c in (d / "huggingface", path / "huggingface", d.parent / "huggingface",
+              path.parent / "huggingface"):
+        if (c / "config.json").is_file():
+            return c
+    return None
