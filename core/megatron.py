@@ -363,7 +363,7 @@ def describe(arch: Arch, par: dict[str, int], stages: str, embed_ranks: str,
     vocab = str(a.vocab) + (f" (padded to {a.padded_vocab} rows in the checkpoint)"
                             if a.padded_vocab != a.vocab else "")
     return {
-        "TP/PP/VPP/EP": " / ".join(str(par.get(k, 1)) if par.get(k) else "-"
+        "TP/PP/VPP/EP": " / ".join(str(par.get(k, 1)) if k != "vpp" or par.get(k) else "-"
                                    for k in ("tp", "pp", "vpp", "ep")),
         "layers": f"{a.layers}; {stages}",
         "embeddings": embed_ranks,

@@ -95,6 +95,37 @@ def _write_all(root: Path) -> None:
     os.rename(tmp, root)
 
 
+@pytest.fixture(scope="session")
+def megatron_root() -> Path:
+    """Folder holding ``<family>/`` for every family of :mod:`core.sample_megatron` (each
+    with ``reference/`` and its layouts' ``torch_dist/`` and ``legacy/``), written by real
+    megatron-core on gloo and cached like :func:`fixtures_root`."""
+    import fcntl
+    from importlib.metadata import version
+
+    import torch
+
+    from core.sample_megatron import FAMILIES, write_megatron
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("megatron-core"),
+         (ROOT / "core" / "sample_megatron.py").read_text(),
+         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+    root = _cache_root().parent / f"megatron-{key}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "complete").exists():
+            tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            for family in FAMILIES:
+                write_megatron(tmp / family, family)
+            (tmp / "complete").write_text("ok")
+            shutil.rmtree(root, ignore_errors=True)
+            os.rename(tmp, root)
+    return root
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--params", action="store_true", help="list every tensor")
     i.add_argument("--tag", help="DeepSpeed: the step folder to read instead of `latest`")
+    i.add_argument("--hf-config", metavar="DIR",
+                   help="Megatron: the Hugging Face config folder to map names with (else "
+                        "huggingface/ beside the checkpoint, else Megatron's args)")
     i.add_argument("--deep", action="store_true",
                    help="also read every tensor: check the CRC-32 of torch.save data and count "
                         "NaN/Inf per tensor (reads all bytes once)")
@@ -160,7 +163,7 @@ def _with_tag(path: str, tag: str | None) -> str:
 def cmd_inspect(args) -> int:
     from core import detect
 
-    layout = detect(_with_tag(args.path, args.tag))
+    layout = detect(_with_tag(args.path, args.tag), hf_config=args.hf_config)
     deep_done = False
     if args.deep and not any(p.code in ("missing-rank", "missing-file", "unsafe-pickle")
                              for p in layout.errors):

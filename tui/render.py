@@ -9,6 +9,15 @@ from core import CheckpointLayout
 from tui.format import human_bytes as _human
 
 
+def config_text(layout: CheckpointLayout) -> str:
+    """Where the merge's config.json comes from."""
+    if layout.config_dir:
+        return layout.config_dir
+    if layout.derived_config:
+        return "none found: derived from the checkpoint's args (or pass --hf-config DIR)"
+    return "none (merge with --hf-config DIR)"
+
+
 def render_layout(layout: CheckpointLayout, console: Console, params: bool = False) -> None:
     """Print the summary, shard files, problems and notes (and every tensor with ``params``)."""
     d = layout.to_dict()
@@ -28,9 +37,11 @@ def render_layout(layout: CheckpointLayout, console: Console, params: bool = Fal
     s.add_row("parameters", f"{layout.parameters:,}")
     s.add_row("bytes", f"{_human(layout.bytes)} ({layout.bytes:,})")
     s.add_row("dtypes", ", ".join(f"{k} x{v}" for k, v in layout.dtypes.items()))
-    s.add_row("config", layout.config_dir or "none (merge with --hf-config DIR)")
+    s.add_row("config", config_text(layout))
     if layout.lora is not None:
         s.add_row("LoRA", layout.lora.summary())
+    for label, text in layout.details.items():
+        s.add_row(label, text)
     console.print(s)
     t = Table("rank", "file", "size", "status", title="shard files", title_justify="left")
     for f in layout.files:
@@ -39,11 +50,12 @@ def render_layout(layout: CheckpointLayout, console: Console, params: bool = Fal
                   style=style)
     console.print(t)
     if params:
-        pt = Table("tensor", "shape", "dtype", "placement", "pieces", title="parameters",
-                   title_justify="left")
+        sources = any(t.source for t in layout.tensors.values())
+        pt = Table("tensor", *(("from",) if sources else ()), "shape", "dtype", "placement",
+                   "pieces", title="parameters", title_justify="left")
         for ten in layout.tensors.values():
-            pt.add_row(ten.name, str(list(ten.shape)), ten.dtype, ten.placement,
-                       str(len(ten.pieces)))
+            pt.add_row(ten.name, *((ten.source or "",) if sources else ()),
+                       str(list(ten.shape)), ten.dtype, ten.placement, str(len(ten.pieces)))
         console.print(pt)
     for n in layout.notes:
         console.print(f"[dim]note:[/] {n}", highlight=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from textual.widgets import Static
 
 from core import CheckpointLayout
@@ -22,11 +23,17 @@ def summary_text(layout: CheckpointLayout) -> str:
         "parameters)",
         f"[b]size[/]        {human_bytes(layout.bytes)}",
         f"[b]dtypes[/]      " + ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items()),
-        f"[b]config[/]      {_short(layout.config_dir, layout.path) or 'none'}",
+        f"[b]config[/]      {_short(layout.config_dir, layout.path) or _no_config(layout)}",
     ]
     if layout.lora is not None:
         lines.append(f"[b]LoRA[/]        {layout.lora.summary()}")
+    for label, text in layout.details.items():
+        lines.append(f"[b]{escape(label)}[/] {escape(text)}")
     return "\n".join(lines)
+
+
+def _no_config(layout: CheckpointLayout) -> str:
+    return "derived from args" if layout.derived_config else "none"
 
 
 def _short(path: str | None, base: str) -> str | None:

@@ -1,0 +1,238 @@
+"""Megatron-LM checkpoints written by real megatron-core on gloo (torch_dist and legacy), for
+TP, PP, TP x PP, VPP, uneven stages and EP: every merge is bit-identical with the Hugging Face
+reference, and the merged model computes Megatron's own logits. Damaged sets are reported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, copy_checkpoint
+from core import MergeOptions, detect, plan_merge, run_merge
+from core.sample_megatron import LAYOUTS, PROBE, layout_name
+from test_merge_exact import assert_bit_equal, load
+
+pytest.importorskip("megatron.core")
+
+CASES = [(fam, layout_name(*lay), kind) for fam, lays in LAYOUTS.items() for lay in lays
+         for kind in ("torch_dist", "legacy")]
+
+
+def codes(layout):
+    return {(p.code, Path(p.path).name if p.path else None) for p in layout.problems}
+
+
+def merge(src: Path, out: Path, **kw):
+    plan = plan_merge(detect(src), MergeOptions(output=str(out), workers=2, **kw))
+    run_merge(plan)
+    return plan
+
+
+@pytest.mark.parametrize("family,layout,kind", CASES, ids=["/".join(c) for c in CASES])
+def test_merge_is_bit_exact(megatron_root, tmp_path, family, layout, kind):
+    src = megatron_root / family / layout / kind
+    ref = megatron_root / family / "reference"
+    # torch_dist carries huggingface/ (verl's way); the legacy set is merged with --hf-config
+    kw = {} if kind == "torch_dist" else {"hf_config": str(ref)}
+    merge(src, tmp_path / "out", **kw)
+    assert_bit_equal(load(tmp_path / "out"), load(ref))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg == json.loads((ref / "config.json").read_text())
+
+
+def logits(folder: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor(PROBE)).logits
+
+
+@pytest.mark.parametrize("family,layout", [("llama", "tp2_pp2"), ("qwen2", "tp2_pp2"),
+                                           ("qwen3", "tp2_pp2"), ("mixtral", "tp2_pp1_ep2")])
+def test_merged_model_computes_megatrons_logits(megatron_root, tmp_path, family, layout):
+    merge(megatron_root / family / layout / "legacy", tmp_path / "out",
+          hf_config=str(megatron_root / family / "reference"))
+    want = torch.load(megatron_root / family / "reference" / "megatron_logits.pt")
+    got = logits(tmp_path / "out")
+    assert got.shape[-1] == want.shape[-1] == 100
+    torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-5)
+
+
+def test_no_config_derives_one_from_args(megatron_root, tmp_path):
+    """Legacy files hold no Hugging Face config: the merge writes one from ``args``, warns
+    about each guessed field, and the model loads and computes Megatron's logits."""
+    src = megatron_root / "llama" / "tp2_pp2" / "legacy"
+    layout = detect(src)
+    guessed = [p.message for p in layout.problems if p.code == "config-guessed"]
+    assert any("vocab_size=128" in m for m in guessed), guessed
+    plan = merge(src, tmp_path / "out")
+    assert any("derived from the checkpoint's args" in w for w in plan.warnings)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["num_key_value_heads"] == 2
+    assert cfg["vocab_size"] == 128 and cfg["tie_word_embeddings"] is False
+    want = torch.load(megatron_root / "llama" / "reference" / "megatron_logits.pt")
+    got = logits(tmp_path / "out")[..., :100]
+    torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-5)
+    # the padded rows are kept (no true vocabulary known), the first 100 are the reference's
+    ref = load(megatron_root / "llama" / "reference")
+    out = load(tmp_path / "out")
+    assert torch.equal(out["model.embed_tokens.weight"][:100], ref["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
+def test_inspect_shows_the_parallel_layout(megatron_root, kind):
+    cfg = str(megatron_root / "llama" / "reference")
+    vpp = detect(megatron_root / "llama" / "tp1_pp2_vpp2" / kind, hf_config=cfg)
+    assert vpp.parallel == {"pp": 2, "vpp": 2}
+    assert vpp.details["layers"] == "4; stage 0: layers 0, 2; stage 1: layers 1, 3"
+    assert vpp.details["vocabulary"] == "100 (padded to 128 rows in the checkpoint)"
+    assert vpp.details["attention"] == "4 heads, 2 query groups (GQA), head dim 16"
+    uneven = detect(megatron_root / "llama" / "tp1_pp2_uneven" / kind, hf_config=cfg)
+    assert uneven.details["layers"] == "4; stage 0: layers 0; stage 1: layers 1-3"
+    tp = detect(megatron_root / "llama" / "tp2_pp2" / kind)
+    assert tp.parallel == {"tp": 2, "pp": 2}
+    assert tp.details["TP/PP/VPP/EP"] == "2 / 2 / - / 1"
+    q = tp.tensors["model.layers.3.self_attn.q_proj.weight"]
+    assert q.source == "decoder.layers.3.self_attention.linear_qkv.weight"
+    assert q.shape == (64, 64)
+    moe = detect(megatron_root / "mixtral" / "tp1_pp1_ep2" / kind)
+    assert moe.parallel == {"ep": 2}
+    assert "4 experts, top-2, 2 per EP rank" in moe.details["MLP"]
+    if kind == "legacy":
+        assert tp.details["embeddings"] == "embedding on stage 0; output layer on stage 1"
+        assert tp.mesh_text == "pp=2 x tp=2"
+
+
+def test_inspect_cli_json(megatron_root):
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", "--json", "--params",
+                        str(megatron_root / "qwen2" / "tp2_pp2" / "legacy")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["format"] == "megatron-legacy"
+    assert d["parallel"]["tp"] == 2 and d["parallel"]["pp"] == 2
+    assert d["details"]["tied embeddings"] == "yes"
+    names = {p["name"]: p for p in d["params"]}
+    assert names["model.layers.0.self_attn.k_proj.bias"]["source"] == \
+        "decoder.layers.0.self_attention.linear_qkv.bias"
+
+
+def test_verl_layout(megatron_root, tmp_path):
+    """verl keeps the torch_dist folder as ``actor/dist_ckpt`` beside ``actor/huggingface``."""
+    src = megatron_root / "qwen2" / "tp2_pp2" / "torch_dist"
+    actor = tmp_path / "global_step_10" / "actor"
+    shutil.copytree(src / "iter_0000010", actor / "dist_ckpt")
+    shutil.copytree(src / "huggingface", actor / "huggingface")
+    layout = detect(actor)
+    assert layout.format == "megatron-dist" and not layout.errors
+    merge(actor, tmp_path / "out")
+    assert_bit_equal(load(tmp_path / "out"), load(megatron_root / "qwen2" / "reference"))
+
+
+def test_merge_never_imports_megatron(megatron_root, tmp_path):
+    code = ("import sys; from core import detect, plan_merge, run_merge, MergeOptions\n"
+            "for src, out in ((sys.argv[1], sys.argv[3]), (sys.argv[2], sys.argv[4])):\n"
+            "    run_merge(plan_merge(detect(src), MergeOptions(output=out)))\n"
+            "print([m for m in sys.modules if m.startswith('megatron')])")
+    base = megatron_root / "llama" / "tp2_pp2"
+    r = subprocess.run([sys.executable, "-c", code, str(base / "torch_dist"),
+                        str(base / "legacy"), str(tmp_path / "a"), str(tmp_path / "b")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+# --- damaged sets ---------------------------------------------------------------------------
+
+def merge_cli(src, out, *extra):
+    return subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "-o", str(out),
+                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_missing_rank_folder(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp2" / "legacy", tmp_path / "ck")
+    shutil.rmtree(ck / "iter_0000010" / "mp_rank_01_001")
+    assert ("missing-rank", "mp_rank_01_001") in codes(detect(ck))
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3, r.stderr
+    assert "mp_rank_01_001" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_last_expert_rank(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "mixtral" / "tp1_pp1_ep2" / "legacy", tmp_path / "ck")
+    shutil.rmtree(ck / "iter_0000010" / "mp_rank_00_001")
+    assert ("missing-rank", "mp_rank_00_001") in codes(detect(ck))
+
+
+def test_truncated_legacy_file(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    f = ck / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    layout = detect(ck)
+    assert any(p.path == str(f) and p.severity == "error" for p in layout.problems), \
+        layout.problems
+    r = merge_cli(ck, tmp_path / "out", "--hf-config", str(megatron_root / "llama" /
+                                                          "reference"))
+    assert r.returncode == 3 and "model_optim_rng.pt" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_truncated_distcp(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp2" / "torch_dist", tmp_path / "ck")
+    f = ck / "iter_0000010" / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[:100])
+    assert ("truncated-file", "__1_0.distcp") in codes(detect(ck))
+
+
+def _rewrite(f: Path, change) -> None:
+    """Load a real rank file, change it, and save it back (as a damaged or odd file)."""
+    state = torch.load(f, weights_only=False)
+    change(state)
+    torch.save(state, f)
+
+
+def test_replicas_that_differ(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    f = ck / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    _rewrite(f, lambda s: s["model"]["decoder.layers.2.pre_mlp_layernorm.weight"].add_(1))
+    layout = detect(ck)
+    bad = [p for p in layout.problems if p.code == "replica-mismatch"]
+    assert len(bad) == 1 and "decoder.layers.2.pre_mlp_layernorm.weight" in bad[0].message
+    assert bad[0].path == str(f)
+
+
+def test_args_disagree_with_files(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp1_pp2_vpp2" / "legacy", tmp_path / "ck")
+    for f in (ck / "iter_0000010").glob("*/model_optim_rng.pt"):
+        _rewrite(f, lambda s: setattr(s["args"], "virtual_pipeline_model_parallel_size", None))
+    assert ("parallel-mismatch", "iter_0000010") in codes(detect(ck))
+
+
+def test_unknown_tensor_is_not_dropped(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    for f in (ck / "iter_0000010").glob("*/model_optim_rng.pt"):
+        _rewrite(f, lambda s: s["model"].__setitem__(
+            "embedding.position_embeddings.weight", torch.zeros(64, 64)))
+    layout = detect(ck)
+    assert "unmapped-tensor" in {p.code for p in layout.errors}
+    with pytest.raises(Exception, match="position_embeddings"):
+        plan_merge(layout, MergeOptions(output=str(tmp_path / "out")))
+
+
+def test_config_that_does_not_fit(megatron_root, tmp_path):
+    """A config whose heads do not give linear_qkv's rows is refused, not merged wrongly."""
+    cfg = copy_checkpoint(megatron_root / "llama" / "reference", tmp_path / "cfg")
+    c = json.loads((cfg / "config.json").read_text())
+    c["num_key_value_heads"] = 4
+    (cfg / "config.json").write_text(json.dumps(c))
+    layout = detect(megatron_root / "llama" / "tp2_pp1" / "legacy", hf_config=str(cfg))
+    assert "config-mismatch" in {p.code for p in layout.errors}
