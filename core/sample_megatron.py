@@ -166,6 +166,9 @@ def write_megatron(root: str | os.PathLike, family: str, layouts=None) -> Path:
     world = max(world, 2)
     mp.start_processes(_rank_main, args=(world, _free_port(), str(root), family, layouts),
                        nprocs=world, start_method="spawn", join=True)
+    import shutil
+
+    shutil.rmtree(root / "_full_tp1", ignore_errors=True)  # the scratch TP=1 source
     return root
 
 

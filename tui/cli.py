@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--world-size", type=int, default=2)
     s.add_argument("--reference", help="also write the unsharded model here")
+    s.add_argument("--megatron", metavar="FAMILY", choices=["llama", "qwen2", "qwen3", "mixtral"],
+                   help="instead, write Megatron-LM checkpoints (torch_dist and legacy, several "
+                        "TP/PP/VPP/EP layouts) of a tiny model of this family with megatron-core "
+                        "(needs pip install 'shardscope[megatron]')")
     return p
 
 
@@ -333,8 +337,22 @@ def cmd_verify(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    from core import UsageError
     from core.sample import write_sample
 
+    if args.megatron:
+        from core.sample_megatron import write_megatron
+
+        if os.path.exists(args.path):
+            raise UsageError("exists; choose a new folder", args.path)
+        try:
+            out = write_megatron(args.path, args.megatron)
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+        print(f"wrote Megatron-LM checkpoints of a tiny {args.megatron} model to {out}: "
+              + ", ".join(sorted(p.name for p in out.iterdir() if p.name.startswith("tp")))
+              + " (each with torch_dist/ and legacy/), and reference/")
+        return 0
     try:
         out = write_sample(args.path, world_size=args.world_size, reference=args.reference)
     except FileExistsError as e:
