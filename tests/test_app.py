@@ -26,6 +26,15 @@ def leaves(tree: ParamTree) -> list[str]:
     return out
 
 
+def nodes(tree: ParamTree) -> list:
+    out, stack = [], [tree.root]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children)
+    return out
+
+
 async def open_inspector(pilot, app):
     await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
     return app.screen
@@ -250,3 +259,45 @@ async def test_upload_progress_bar_reaches_the_total(fixtures_root, tmp_path, mo
     assert hub.puts and hub.commits[-1]["files"]["model.safetensors"] == \
         (tmp_path / "out" / "model.safetensors").read_bytes()
     assert label == f"uploaded {human_bytes(total)} of {human_bytes(total)}"
+
+
+@pytest.mark.asyncio
+async def test_megatron_inspector_and_merge(megatron_root, tmp_path):
+    """A legacy Megatron TP=2 x PP=2 checkpoint: the summary shows the stages and the vocabulary,
+    `n` groups the tree by Megatron names, a q_proj comes from two TP ranks, and the merge with
+    the reference's config is bit-exact."""
+    pytest.importorskip("megatron.core")
+    src = megatron_root / "llama" / "tp2_pp2" / "legacy"
+    app = make_app(str(src))
+    async with app.run_test(size=(140, 45)) as pilot:
+        screen = await open_inspector(pilot, app)
+        summary = str(screen.query_one("#summary").render())
+        assert "stage 0: layers 0-1; stage 1: layers 2-3" in summary
+        assert "derived from args" in summary
+        tree = screen.query_one("#params", ParamTree)
+        await wait_for(pilot, lambda: len(leaves(tree)) == 39)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: tree.by_source)
+        assert [str(c.label) for c in tree.root.children][:2] == ["decoder", "embedding"]
+        node = next(n for n in nodes(tree)
+                    if n.data is not None
+                    and n.data.name == "model.layers.3.self_attn.q_proj.weight")
+        path, n = [], node.parent
+        while n is not None and n is not tree.root:
+            path.insert(0, str(n.label))
+            n = n.parent
+        assert path == ["decoder", "layers.0..3", "3", "self_attention", "linear_qkv", "weight"]
+        n = node.parent
+        while n is not None:
+            n.expand()
+            n = n.parent
+        await pilot.pause(0.1)
+        tree.move_cursor(node)
+        table = screen.query_one("#pieces")
+        await wait_for(pilot, lambda: table.row_count == 2)
+        assert "decoder.layers.3.self_attention.linear_qkv.weight" in str(table.border_title)
+        form = await open_form(pilot, app, tmp_path / "out")
+        form.query_one("#hf-config").value = str(megatron_root / "llama" / "reference")
+        run = await run_to_end(pilot, app)
+        assert "verified" in str(run.query_one("#result").render())
+    assert_bit_equal(load(tmp_path / "out"), load(megatron_root / "llama" / "reference"))

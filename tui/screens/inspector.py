@@ -53,6 +53,8 @@ class InspectorScreen(Screen):
         Binding("slash", "filter", "Filter", id="filter", tooltip="Filter the parameter tree"),
         Binding("s", "stats", "Stats", id="stats",
                 tooltip="Statistics of the selected tensor, read from the shards"),
+        Binding("n", "names", "Source names", id="names",
+                tooltip="Group the tree by the checkpoint's own (e.g. Megatron) names"),
         Binding("escape", "back", "Back", id="back", tooltip="Back to the browser"),
     ]
 
@@ -95,6 +97,16 @@ class InspectorScreen(Screen):
                                                          "bytes at", "file")
         self.query_one("#params", ParamTree).focus()
 
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action == "names":  # only readers that rename tensors (Megatron) record sources
+            return any(t.source and t.source != t.name for t in self.ckpt.tensors.values())
+        return True
+
+    def action_names(self) -> None:
+        tree = self.query_one("#params", ParamTree)
+        tree.set_by_source(not tree.by_source)
+        tree.border_title = ("parameters by source name" if tree.by_source else "parameters")
+
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.display = True
@@ -129,7 +141,8 @@ class InspectorScreen(Screen):
         if not isinstance(t, TensorInfo):
             table.border_title = "pieces of the selected tensor"
             return
-        table.border_title = f"{t.name}: {list(t.shape)} {t.dtype} {t.placement}"
+        table.border_title = f"{t.name}: {list(t.shape)} {t.dtype} {t.placement}" + (
+            f" ← {t.source}" if t.source and t.source != t.name else "")
         for p in sorted(t.pieces, key=lambda p: p.global_offsets):
             table.add_row("" if p.rank is None else str(p.rank), str(list(p.global_offsets)),
                           str(list(p.shape)),

@@ -1,5 +1,6 @@
 """The parameter tree: tensors grouped by their dotted names, numeric groups (layers) sorted
-numerically and labelled ``layers.0..27``; a fuzzy filter narrows it."""
+numerically and labelled ``layers.0..27``; a fuzzy filter narrows it. For a checkpoint whose
+reader renamed tensors (Megatron), it can group them under the names they come from instead."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class ParamTree(Tree[TensorInfo]):
         super().__init__("parameters", **kw)
         self.tensors = tensors
         self.query = ""
+        self.by_source = False
         self.show_root = False
 
     def on_mount(self) -> None:
@@ -41,6 +43,20 @@ class ParamTree(Tree[TensorInfo]):
             return
         self.query = query
         self.rebuild()
+
+    def set_by_source(self, on: bool) -> None:
+        """Group by the names the tensors come from (``TensorInfo.source``, e.g. Megatron's),
+        each source listing the Hugging Face tensors cut from it; or by their own names."""
+        if on != self.by_source:
+            self.by_source = on
+            self.rebuild()
+
+    def _key(self, name: str) -> list[str]:
+        """The path of a tensor's leaf in the tree."""
+        t = self.tensors[name]
+        if self.by_source and t.source:
+            return t.source.split(".") + [name]
+        return name.split(".")
 
     def first_leaf(self):
         """The first tensor node in display order, or None."""
@@ -54,14 +70,16 @@ class ParamTree(Tree[TensorInfo]):
 
     def rebuild(self) -> None:
         self.clear()
-        names = [n for n in sorted(self.tensors, key=natural_key)
-                 if not self.query or fuzzy_match(self.query, n)]
+        names = [n for n in sorted(self.tensors, key=lambda n: natural_key(
+                     ".".join(self._key(n)))) if not self.query
+                 or fuzzy_match(self.query, ".".join(self._key(n)))]
         nested: dict = {}
         for n in names:
             node = nested
-            for part in n.split(".")[:-1]:
+            path = self._key(n)
+            for part in path[:-1]:
                 node = node.setdefault(part, {})
-            node[n.split(".")[-1]] = self.tensors[n]
+            node[path[-1]] = self.tensors[n]
         self._add(self.root, nested, expand=bool(self.query) or len(names) < 40)
         self.root.expand()
 
