@@ -67,12 +67,21 @@ import os, sys
 src, dst = sys.argv[1], sys.argv[2]
 os.makedirs(dst)
 buf = bytearray(16 << 20)
+names = sorted(os.path.join(d, n) for d, _, ns in os.walk(src) for n in ns
+               if n.endswith((".pt", ".distcp")))
 with open(os.path.join(dst, "out.bin"), "wb") as out:
-    for name in sorted(os.listdir(src)):
-        if name.endswith(".pt"):
-            with open(os.path.join(src, name), "rb", buffering=0) as f:
-                while n := f.readinto(buf):
-                    out.write(memoryview(buf)[:n])
+    for name in names:
+        with open(name, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                out.write(memoryview(buf)[:n])
+"""
+
+# What Megatron's converters (and most ad-hoc scripts) start with: torch.load of every rank
+# file, whole. Only the load is timed: a lower bound of such a peer's cost.
+MEGATRON_LOAD_PEER = r"""
+import glob, os, sys, torch
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "mp_rank_*", "model_optim_rng.pt"))):
+    torch.load(f, weights_only=False, map_location="cpu")
 """
 
 DCP_PEER = r"""
@@ -123,6 +132,21 @@ def model_bytes(fsdp_dir: Path) -> int:
     return detect(fsdp_dir).bytes
 
 
+def _megatron_checkpoint(cache: Path) -> Path:
+    """A Llama-shaped model of about 1.9 GB fp32 (8 layers, hidden 2048, GQA 16/4, SwiGLU
+    5504, vocabulary 32000) written by megatron-core as TP=2 x PP=2, cached."""
+    from core.sample_megatron import Family, write_megatron
+
+    out = cache / "megatron-llama-1.9gb"
+    if not (out / "complete").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"writing the Megatron checkpoint to {out} ...", file=sys.stderr)
+        write_megatron(out, Family("bench", "llama", layers=8, hidden=2048, heads=16, groups=4,
+                                   ffn=5504, vocab=32000, padded_vocab=32000))
+        (out / "complete").write_text("ok")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,6 +158,9 @@ def main() -> None:
     ap.add_argument("--verl-python", default=os.environ.get("VERL_PYTHON", sys.executable),
                     help="a Python that can import verl (its pins may clash with ours, so it "
                          "can live in its own virtual environment)")
+    ap.add_argument("--megatron", action="store_true",
+                    help="also write (once) a ~1.9 GB Llama-shaped Megatron-LM checkpoint with "
+                         "megatron-core (TP=2 x PP=2, torch_dist and legacy) and time its merge")
     args = ap.parse_args()
     from bench.write_ckpt import write_fsdp_and_dcp, write_many_ranks
 
@@ -170,6 +197,18 @@ def main() -> None:
         ("peer: dcp_to_torch_save + safetensors save",
          [sys.executable, "-c", DCP_PEER, str(dcp), str(out)], out, None),
     ]
+    if args.megatron:
+        mg = _megatron_checkpoint(Path(args.cache))
+        for kind in ("legacy", "torch_dist"):
+            src = mg / "tp2_pp2" / kind
+            jobs.append((f"copy floor, megatron {kind} files",
+                         [sys.executable, "-c", COPY_FLOOR, str(src), str(out)], out, None))
+            jobs.append((f"shardscope merge megatron {kind} (TP2 x PP2), keep dtype",
+                         exe + ["merge", str(src), "-o", str(out), "-q", "--hf-config",
+                                str(mg / "reference")], out, 5 * 10**9))
+        jobs.append(("peer floor: torch.load of every mp_rank file (converters' first step)",
+                     [sys.executable, "-c", MEGATRON_LOAD_PEER, str(mg / "tp2_pp2" / "legacy")],
+                     None, None))
     has_verl = subprocess.run([args.verl_python, "-c", "import verl.model_merger"],
                               capture_output=True).returncode == 0
     if has_verl:
@@ -184,8 +223,9 @@ def main() -> None:
     for name, cmd, o, shard in jobs:
         print(f"running: {name}", file=sys.stderr)
         r = measure(cmd, o, args.reps)
-        floor = floor or r["wall"]
-        rows.append((name, r, shard))
+        if name.startswith("copy floor"):  # each group's ratios are to its own floor
+            floor = r["wall"]
+        rows.append((name, r, shard, floor))
     inspect = measure(exe + ["inspect", str(many), "--json"], None, args.reps)
     app = measure([sys.executable, "-c", APP_START, str(fsdp)], None, args.reps)
     cpu = platform.processor() or platform.machine()
@@ -195,13 +235,13 @@ def main() -> None:
           f"median of {args.reps}\n")
     print(f"| job | wall s | x floor | peak RSS GB | RSS / model | RSS - shard (MiB) | rc |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, r, shard in rows:
+    for name, r, shard, floor in rows:
         over = f"{(r['rss'] - min(shard, size)) / 2**20:.0f}" if shard else ""
         print(f"| {name} | {r['wall']:.2f} | {r['wall'] / floor:.2f} | {r['rss'] / 1e9:.2f} | "
               f"{r['rss'] / size:.2f} | {over} | {r['rc']} |")
-    verl = next((r for n, r, _ in rows if n.startswith("peer: verl")), None)
+    verl = next((r for n, r, *_ in rows if n.startswith("peer: verl")), None)
     if verl is not None:
-        ours = next(r for n, r, _ in rows if "--dtype bf16" in n)
+        ours = next(r for n, r, *_ in rows if "--dtype bf16" in n)
         print(f"\nshardscope --dtype bf16 against verl's merger (same output dtype): "
               f"{ours['wall'] / verl['wall']:.2f} x its wall time, "
               f"{ours['rss'] / verl['rss']:.2f} x its peak RSS")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 #: token ids whose logits the reference records (shape (1, 12))
@@ -147,10 +147,11 @@ def _rng_state() -> list:
              "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}]
 
 
-def write_megatron(root: str | os.PathLike, family: str, layouts=None) -> Path:
-    """Write ``root/reference`` and every layout of ``family`` (see the module docstring)
-    with 4 gloo processes. Returns ``root``. Raises ImportError when megatron-core is not
-    installed, RuntimeError when a rank fails."""
+def write_megatron(root: str | os.PathLike, family: str | Family, layouts=None) -> Path:
+    """Write ``root/reference`` and every layout of ``family`` (a name of :data:`FAMILIES`,
+    or a :class:`Family` for other sizes; its layouts then default to TP=2 x PP=2) with
+    ``max(TP x PP x EP)`` gloo processes. Returns ``root``. Raises ImportError when
+    megatron-core is not installed, RuntimeError when a rank fails."""
     import importlib.util
 
     import torch.multiprocessing as mp
@@ -161,10 +162,12 @@ def write_megatron(root: str | os.PathLike, family: str, layouts=None) -> Path:
         raise ImportError("megatron-core is not installed: pip install 'shardscope[megatron]'")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    layouts = list(layouts if layouts is not None else LAYOUTS[family])
-    world = max(tp * pp * ep for tp, pp, _, ep, _ in layouts)
-    world = max(world, 2)
-    mp.start_processes(_rank_main, args=(world, _free_port(), str(root), family, layouts),
+    f = FAMILIES[family] if isinstance(family, str) else family
+    if layouts is None:
+        layouts = LAYOUTS.get(f.name, [(2, 2, 0, 1, False)])
+    layouts = list(layouts)
+    world = max(2, max(tp * pp * ep for tp, pp, _, ep, _ in layouts))
+    mp.start_processes(_rank_main, args=(world, _free_port(), str(root), asdict(f), layouts),
                        nprocs=world, start_method="spawn", join=True)
     import shutil
 
@@ -191,7 +194,7 @@ def _cpu_only() -> None:
     moe_utils.te_general_gemm = None
 
 
-def _rank_main(rank: int, world: int, port: int, root: str, family: str, layouts) -> None:
+def _rank_main(rank: int, world: int, port: int, root: str, family: dict, layouts) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -205,7 +208,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, family: str, layouts
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    f = FAMILIES[family]
+    f = Family(**family)
     root = Path(root)
     full = root / "_full_tp1"
     try:
