@@ -210,6 +210,16 @@ def test_replicas_that_differ(megatron_root, tmp_path):
     assert bad[0].path == str(f)
 
 
+def test_expert_parallel_copies_that_differ(megatron_root, tmp_path):
+    """With EP every EP rank's file repeats the dense weights: a copy that differs is found."""
+    ck = copy_checkpoint(megatron_root / "mixtral" / "tp1_pp1_ep2" / "legacy", tmp_path / "ck")
+    f = ck / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt"
+    _rewrite(f, lambda s: s["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
+             [0, 0].add_(1))
+    bad = [p for p in detect(ck).problems if p.code == "replica-mismatch"]
+    assert [(p.path, "linear_qkv" in p.message) for p in bad] == [(str(f), True)]
+
+
 def test_args_disagree_with_files(megatron_root, tmp_path):
     ck = copy_checkpoint(megatron_root / "llama" / "tp1_pp2_vpp2" / "legacy", tmp_path / "ck")
     for f in (ck / "iter_0000010").glob("*/model_optim_rng.pt"):

@@ -308,13 +308,13 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
                     continue
                 owners.setdefault(name.split(".decoder")[0] if "layers" not in name
                                   else "layers", set()).add((s, t))
-                # replicas: the same slice on another TP rank, or dense weights on another EP rank
-                primary = (rule == "replicated" and t == 0 or rule != "replicated") and (
-                    expert or e == 0)
-                if rule == "replicated" or (not expert and e > 0):
-                    replicas.setdefault(f"{name}@{t if rule != 'replicated' else 0}",
-                                        []).append(Piece(f, ref.byte_offset, ref.dtype, shape,
-                                                         tuple(ref.stride), (0,) * len(shape)))
+                # replicas: a replicated tensor on every TP rank (and EP rank), or a dense
+                # weight's slice on every EP rank; the first copy is used, all are compared
+                primary = (t == 0 or rule != "replicated") and (expert or e == 0)
+                if rule == "replicated" or not expert:
+                    replicas.setdefault(f"{name}@{0 if rule == 'replicated' else t}", []).append(
+                        Piece(f, ref.byte_offset, ref.dtype, shape, tuple(ref.stride),
+                              (0,) * len(shape)))
                 if not primary:
                     continue
                 _add(mt, name, rule, ref, f, t, tp, (s, t, e) if ep > 1 else (s, t))
