@@ -14,7 +14,6 @@ when complete; cancel (a ``threading.Event``), an error or Ctrl-C removes it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import threading

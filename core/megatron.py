@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dtypes import ITEMSIZE
-from .layout import Piece, Problem, TensorInfo
+from .layout import Problem, TensorInfo
 
 #: Hugging Face model types whose names this module writes (dense, and Mixtral-style MoE)
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -222,6 +222,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         warnings.append("no Hugging Face config found: config.json derived from the "
                         "checkpoint's args (no tokenizer); pass --hf-config DIR for the real "
                         "one")
+        warnings.extend(p.message for p in layout.problems if p.code == "config-guessed")
     elif config_dir is None:
         warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
                         "weights only and will not load with from_pretrained")

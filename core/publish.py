@@ -32,12 +32,19 @@ def model_card(plan, version: str) -> str:
     degrees, dtypes, LoRA handling, and the shardscope version that wrote it."""
     layout = plan.layout
     arch = "unknown"
+    texts = [plan.generated["config.json"]] if "config.json" in plan.generated else []
     for src, rel in plan.copy_files:
         if rel == "config.json":
             try:
-                arch = (json.loads(Path(src).read_text()).get("architectures") or [arch])[0]
-            except (OSError, ValueError, AttributeError):
+                texts.append(Path(src).read_bytes())
+            except OSError:
                 pass
+    for text in texts:
+        try:
+            cfg = json.loads(text)
+            arch = (cfg.get("architectures") or [None])[0] or cfg.get("model_type") or arch
+        except (ValueError, AttributeError):
+            pass
     mesh = layout.mesh_text
     par = ", ".join(f"{k}={v}" for k, v in sorted(layout.parallel.items()) if v > 1) or "none"
     dtypes = sorted({t.dtype for f in plan.files for t in f.tensors})
@@ -65,8 +72,8 @@ This folder was written by shardscope {version} from a sharded training checkpoi
 | dtypes | {", ".join(dtypes)} |
 | LoRA | {lora} |
 
-Every tensor was copied bit for bit from the shards{", cast with --dtype " + plan.options.dtype
-                                                   if plan.options.dtype else ""}.
+{"Floating-point tensors were cast with --dtype " + plan.options.dtype + "; the others were"
+ if plan.options.dtype else "Every tensor was"} copied bit for bit from the shards.
 """
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -75,6 +75,9 @@ def tiny_tokenizer(vocab: int):
     in the model's ``vocab`` rows."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if vocab < 259:  # 256 byte symbols + 3 special tokens are always in the vocabulary
+        raise ValueError(f"a byte-level tokenizer needs at least 259 ids, the model has {vocab}")
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

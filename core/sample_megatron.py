@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 #: token ids whose logits the reference records (shape (1, 12))
-PROBE = [[1, 5, 17, 3, 42, 8, 99, 23, 64, 7, 11, 2]]
+PROBE = [[1, 5, 17, 3, 42, 8, 299, 23, 164, 7, 211, 2]]
 
 ITERATION = 10
 
@@ -50,8 +50,9 @@ class Family:
     heads: int = 4
     groups: int = 2
     ffn: int = 96
-    vocab: int = 100
-    padded_vocab: int = 128
+    #: at least 259: the tiny byte-level tokenizer's alphabet and special tokens must fit
+    vocab: int = 300
+    padded_vocab: int = 384
     qkv_bias: bool = False
     tied: bool = False
     qk_norm: bool = False
@@ -101,6 +102,9 @@ def hf_config(f: Family):
               num_key_value_heads=f.groups, max_position_embeddings=64, rms_norm_eps=1e-5,
               rope_theta=10000.0, tie_word_embeddings=f.tied, bos_token_id=1, eos_token_id=2,
               torch_dtype="float32")
+    kw["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                            "qwen3": "Qwen3ForCausalLM",
+                            "mixtral": "MixtralForCausalLM"}[f.hf_type]]
     if f.hf_type == "qwen3":
         kw["head_dim"] = f.hidden // f.heads
     if f.experts:

@@ -1,7 +1,7 @@
 """Render each screen of the real app on the real sample checkpoint: SVG (Textual) and PNG
 (cairosvg, no browser). Run: ``python screenshots/make_screenshots.py`` (needs the dev extra).
 Writes the sample to a temporary folder with ``shardscope sample``'s writer (torch.distributed,
-gloo, CPU)."""
+gloo, CPU), and a Megatron TP=2 x PP=2 checkpoint with megatron-core."""
 
 from __future__ import annotations
 
@@ -77,11 +77,40 @@ async def shoot(ckpt: Path, out: Path) -> None:
         save(app, "merge-done")
 
 
+async def shoot_megatron(ckpt: Path) -> None:
+    """The inspector on a legacy Megatron TP=2 x PP=2 checkpoint, the tree grouped by the
+    Megatron names (``n``), a q_proj selected: its pieces come from the two TP ranks."""
+    app = make_app(str(ckpt))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await pilot.press("n")
+        tree = app.screen.query_one("#params")
+        await pilot.pause(0.3)
+        leaf = next(n for n in _walk(tree.root) if n.data is not None and
+                    n.data.name == "model.layers.2.self_attn.q_proj.weight")
+        n = leaf.parent
+        while n is not None:
+            n.expand()
+            n = n.parent
+        await pilot.pause(0.3)
+        tree.move_cursor(leaf)
+        await pilot.pause(0.3)
+        save(app, "megatron-inspector")
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="shardscope-shots-"))
     try:
         write_sample(tmp / "global_step_100" / "actor", world_size=4)
         asyncio.run(shoot(tmp / "global_step_100" / "actor", tmp / "merged_hf"))
+        try:
+            from core.sample_megatron import write_megatron
+
+            write_megatron(tmp / "megatron", "llama", [(2, 2, 0, 1, False)])
+        except ImportError:
+            print("megatron-core not installed: no Megatron screenshot", file=sys.stderr)
+        else:
+            asyncio.run(shoot_megatron(tmp / "megatron" / "tp2_pp2" / "legacy"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -125,7 +125,6 @@ async def test_cancel_midway_leaves_nothing(fixtures_root, tmp_path, monkeypatch
 
 @pytest.mark.asyncio
 async def test_statistics_of_a_sharded_tensor(fixtures_root):
-    import torch
     from safetensors.torch import load_file
 
     app = make_app(str(fixtures_root / "w3-llama-f32"))

@@ -61,7 +61,7 @@ def test_merged_model_computes_megatrons_logits(megatron_root, tmp_path, family,
           hf_config=str(megatron_root / family / "reference"))
     want = torch.load(megatron_root / family / "reference" / "megatron_logits.pt")
     got = logits(tmp_path / "out")
-    assert got.shape[-1] == want.shape[-1] == 100
+    assert got.shape[-1] == want.shape[-1] == 300
     torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-5)
 
 
@@ -71,19 +71,19 @@ def test_no_config_derives_one_from_args(megatron_root, tmp_path):
     src = megatron_root / "llama" / "tp2_pp2" / "legacy"
     layout = detect(src)
     guessed = [p.message for p in layout.problems if p.code == "config-guessed"]
-    assert any("vocab_size=128" in m for m in guessed), guessed
+    assert any("vocab_size=384" in m for m in guessed), guessed
     plan = merge(src, tmp_path / "out")
     assert any("derived from the checkpoint's args" in w for w in plan.warnings)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["num_key_value_heads"] == 2
-    assert cfg["vocab_size"] == 128 and cfg["tie_word_embeddings"] is False
+    assert cfg["vocab_size"] == 384 and cfg["tie_word_embeddings"] is False
     want = torch.load(megatron_root / "llama" / "reference" / "megatron_logits.pt")
-    got = logits(tmp_path / "out")[..., :100]
+    got = logits(tmp_path / "out")[..., :300]
     torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-5)
-    # the padded rows are kept (no true vocabulary known), the first 100 are the reference's
+    # the padded rows are kept (no true vocabulary known), the first 300 are the reference's
     ref = load(megatron_root / "llama" / "reference")
     out = load(tmp_path / "out")
-    assert torch.equal(out["model.embed_tokens.weight"][:100], ref["model.embed_tokens.weight"])
+    assert torch.equal(out["model.embed_tokens.weight"][:300], ref["model.embed_tokens.weight"])
 
 
 @pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
@@ -92,7 +92,7 @@ def test_inspect_shows_the_parallel_layout(megatron_root, kind):
     vpp = detect(megatron_root / "llama" / "tp1_pp2_vpp2" / kind, hf_config=cfg)
     assert vpp.parallel == {"pp": 2, "vpp": 2}
     assert vpp.details["layers"] == "4; stage 0: layers 0, 2; stage 1: layers 1, 3"
-    assert vpp.details["vocabulary"] == "100 (padded to 128 rows in the checkpoint)"
+    assert vpp.details["vocabulary"] == "300 (padded to 384 rows in the checkpoint)"
     assert vpp.details["attention"] == "4 heads, 2 query groups (GQA), head dim 16"
     uneven = detect(megatron_root / "llama" / "tp1_pp2_uneven" / kind, hf_config=cfg)
     assert uneven.details["layers"] == "4; stage 0: layers 0; stage 1: layers 1-3"

@@ -3,7 +3,6 @@ no test reaches a network. The model card."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

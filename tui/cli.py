@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 VERL_NOTE = """\
 verl compatibility: `shardscope merge --backend fsdp --local_dir X --target_dir Y` works as
@@ -211,7 +212,7 @@ def _deep(layout, show: bool):
 def cmd_merge(args) -> int:
     from rich.console import Console
 
-    from core import MergeOptions, UsageError, detect, plan_merge, run_merge
+    from core import MergeOptions, UsageError, detect, plan_merge
 
     repo_id = args.hf_upload or args.hf_upload_path
     path = args.path or args.local_dir
@@ -222,6 +223,7 @@ def cmd_merge(args) -> int:
     log = (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False)) if args.verbose else None
     if log:
         log(f"reading the layout of {path}")
+    started = time.perf_counter()
     layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights)
     opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
@@ -248,9 +250,11 @@ def cmd_merge(args) -> int:
     from tui.format import human_bytes
 
     rate = result.tensor_bytes / result.seconds if result.seconds else 0
+    total = time.perf_counter() - started
     print(f"wrote {result.output}: {len(result.files)} safetensors file(s), "
-          f"{result.tensors} tensors, {human_bytes(result.tensor_bytes)} in "
-          f"{result.seconds:.2f} s ({human_bytes(rate)}/s)")
+          f"{result.tensors} tensors, {human_bytes(result.tensor_bytes)} in {total:.2f} s "
+          f"(reading the layout and planning {total - result.seconds:.2f} s, writing "
+          f"{result.seconds:.2f} s at {human_bytes(rate)}/s)")
     if repo_id:
         return _verified_upload(result.output, repo_id, args.private, args.revision,
                                 args.commit_message)

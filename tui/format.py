@@ -18,3 +18,16 @@ def human_count(n: int) -> str:
         if n >= div:
             return f"{n / div:.1f}{unit}"
     return str(n)
+
+
+def short_path(path: str, base: str | None = None, parts: int = 2) -> str:
+    """A file as the user knows it: relative to the checkpoint folder ``base`` when inside it,
+    else its last ``parts`` path components (``mp_rank_01_001/model_optim_rng.pt``), so files
+    with the same name in different rank folders stay apart."""
+    import os
+
+    if base:
+        rel = os.path.relpath(path, base)
+        if not rel.startswith(".."):
+            return rel
+    return os.path.join(*path.split(os.sep)[-parts:]) if os.sep in path else path

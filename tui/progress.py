@@ -3,7 +3,7 @@ overall (bytes written), fed by the core's thread-safe progress callback."""
 
 from __future__ import annotations
 
-import os
+
 import threading
 
 from rich.console import Console
@@ -11,6 +11,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TransferSpeedColumn)
 
 from core import MergePlan, MergeProgress
+from tui.format import short_path
 
 #: above this many source files, only the overall bar is shown (plus a count of files done)
 MAX_FILE_BARS = 16
@@ -31,7 +32,7 @@ class MergeProgressView:
         per_file = len(plan.source_bytes) <= MAX_FILE_BARS
         if per_file:
             for path, total in plan.source_bytes.items():
-                self.tasks[path] = self.progress.add_task(f"read {os.path.basename(path)}",
+                self.tasks[path] = self.progress.add_task(f"read {short_path(path, plan.layout.path)}",
                                                           total=total)
         self.overall = self.progress.add_task("[bold]write", total=plan.total_bytes)
 

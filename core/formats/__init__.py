@@ -51,8 +51,35 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
             layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
                                       layout.path)
             return layout
+    inside = _checkpoints_inside(p)
+    if inside:
+        raise BadCheckpointError("not a checkpoint itself; these folders inside it are: "
+                                 + ", ".join(inside), str(given))
     raise BadCheckpointError(
         "not a checkpoint shardscope knows (looked for .metadata, latest_checkpointed_iteration"
         ".txt, mp_rank_*/, model_world_size_*_rank_*.pt, "
         "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors)",
         str(given))
+
+
+def _checkpoints_inside(p: Path, depth: int = 2, limit: int = 8) -> list[str]:
+    """Relative names of checkpoint folders up to ``depth`` levels below ``p`` (a hint for a
+    user who opened their parent), at most ``limit``."""
+    found: list[str] = []
+    level = [p]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                subs = sorted(c for c in d.iterdir() if c.is_dir() and not c.name.startswith("."))
+            except OSError:
+                continue
+            for c in subs:
+                if any(mod.sniff(str(c)) for _, mod in _readers()):
+                    found.append(str(c.relative_to(p)) + "/")
+                else:
+                    nxt.append(c)
+                if len(found) >= limit:
+                    return found
+        level = nxt
+    return found

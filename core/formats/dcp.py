@@ -24,7 +24,7 @@ from pathlib import Path
 from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import attach_config, clean_key, problem_for, stat_file
+from .common import attach_config, clean_key, stat_file
 from .torchsave import DType, Record, RestrictedUnpickler, read_torch_archive
 
 #: top-level entries of a training checkpoint that are not model weights

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
 from .common import attach_config, problem_for, stat_file
-from .torchsave import Record, StorageRef, TensorRef, read_torch_archive
+from .torchsave import Record, TensorRef, read_torch_archive
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL3_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")

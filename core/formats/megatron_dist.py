@@ -110,6 +110,9 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     layout.parallel = {k: v for k, v in (("tp", tp), ("pp", pp), ("vpp", vpp), ("ep", ep))
                        if v and v > 1}
     layout.mesh_shape, layout.mesh_dim_names = (), None
+    if args:  # torch_dist data is global; the model-parallel grid is only in args
+        layout.mesh_shape = (pp, tp, ep) if ep > 1 else (pp, tp)
+        layout.mesh_dim_names = ("pp", "tp", "ep") if ep > 1 else ("pp", "tp")
     config_dir = Path(hf_config) if hf_config else _config_dir(p, d)
     layout.config_dir, layout.extra_files = None, []
     attach_config(layout, config_dir)

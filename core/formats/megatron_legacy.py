@@ -317,7 +317,8 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
                               (0,) * len(shape)))
                 if not primary:
                     continue
-                _add(mt, name, rule, ref, f, t, tp, (s, t, e) if ep > 1 else (s, t))
+                _add(mt, name, rule, ref, f, t, tp, (s, t, e) if ep > 1 else (s, t),
+                     t + tp * (e + ep * s))
     where = []
     for key, label in (("embedding.word_embeddings.weight", "embedding"),
                        ("output_layer.weight", "output layer")):
@@ -327,27 +328,30 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
     return mt, replicas, "; ".join(where) or "none found"
 
 
-def _add(mt, name: str, rule: str, ref: TensorRef, f: str, t: int, tp: int, coord) -> None:
-    """Add TP rank ``t``'s slice of ``name`` as pieces of its global tensor."""
+def _add(mt, name: str, rule: str, ref: TensorRef, f: str, t: int, tp: int, coord,
+         rank: int) -> None:
+    """Add TP rank ``t``'s slice of ``name`` as pieces of its global tensor. ``rank``: the
+    model-parallel rank of the file (``tp + TP * (ep + EP * pp)``), ``coord`` its (pp, tp[,
+    ep]) coordinate."""
     shape, stride = tuple(ref.shape), tuple(ref.stride)
     zeros = (0,) * len(shape)
     if rule == "replicated":
         g = shape
-        pieces = [Piece(f, ref.byte_offset, ref.dtype, shape, stride, zeros, None, coord)]
+        pieces = [Piece(f, ref.byte_offset, ref.dtype, shape, stride, zeros, rank, coord)]
     elif rule == "col":
         g = (shape[0], shape[1] * tp) + shape[2:]
         pieces = [Piece(f, ref.byte_offset, ref.dtype, shape, stride,
-                        (0, t * shape[1]) + zeros[2:], None, coord)]
+                        (0, t * shape[1]) + zeros[2:], rank, coord)]
     elif rule == "row":
         g = (shape[0] * tp,) + shape[1:]
         pieces = [Piece(f, ref.byte_offset, ref.dtype, shape, stride,
-                        (t * shape[0],) + zeros[1:], None, coord)]
+                        (t * shape[0],) + zeros[1:], rank, coord)]
     else:  # gated: this rank's [gate_r; up_r] -> rows of the global [gate; up]
         half = shape[0] // 2
         g = (shape[0] * tp,) + shape[1:]
         step = half * stride[0] * _itemsize(ref.dtype)
         pieces = [Piece(f, ref.byte_offset + k * step, ref.dtype, (half,) + shape[1:], stride,
-                        (k * half * tp + t * half,) + zeros[1:], None, coord) for k in (0, 1)]
+                        (k * half * tp + t * half,) + zeros[1:], rank, coord) for k in (0, 1)]
     info = mt.get(name)
     if info is None:
         placement = {"replicated": "TP Replicate()", "col": "TP Shard(1)", "row": "TP Shard(0)",

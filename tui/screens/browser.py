@@ -3,7 +3,6 @@ with its format and world size; Enter (or o) opens a checkpoint."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from textual import on, work
 from textual.app import ComposeResult

@@ -13,6 +13,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static, Tree
 
 from core import CheckpointLayout, TensorInfo
+from tui.format import short_path
 from tui.messages import StatsComputed
 from tui.widgets.layout_summary import LayoutSummary
 from tui.widgets.param_tree import ParamTree
@@ -147,7 +148,7 @@ class InspectorScreen(Screen):
             table.add_row("" if p.rank is None else str(p.rank), str(list(p.global_offsets)),
                           str(list(p.shape)),
                           "deferred" if p.archive is not None else str(p.byte_offset),
-                          os.path.basename(p.file))
+                          short_path(p.file, self.ckpt.path))
 
     def selected_tensor(self) -> TensorInfo | None:
         node = self.query_one("#params", ParamTree).cursor_node

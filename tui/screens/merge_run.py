@@ -5,7 +5,6 @@ Escape cancels: the core sees the worker's cancel event and removes its temporar
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -19,7 +18,7 @@ from textual.worker import get_current_worker
 
 from core import (CheckpointLayout, MergeCancelled, MergeOptions, MergeProgress,
                   ShardscopeError, plan_merge, run_merge)
-from tui.format import human_bytes
+from tui.format import human_bytes, short_path
 from tui.messages import MergeFailed, MergeFinished
 
 MAX_FILE_BARS = 16
@@ -106,7 +105,7 @@ class MergeRunScreen(Screen):
         box = self.query_one("#sources", VerticalScroll)
         if len(plan.source_bytes) <= MAX_FILE_BARS:
             for i, (path, total) in enumerate(plan.source_bytes.items()):
-                box.mount(Label(f"read {os.path.basename(path)}"))
+                box.mount(Label(f"read {short_path(path, plan.layout.path)}"))
                 box.mount(ProgressBar(total=total, show_eta=False, id=f"src-{i}"))
 
     def _show_upload(self) -> None:

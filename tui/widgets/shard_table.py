@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
+
 
 from textual.widgets import DataTable
 
 from core import CheckpointLayout
-from tui.format import human_bytes
+from tui.format import human_bytes, short_path
 
 
 class ShardTable(DataTable):
@@ -20,7 +20,7 @@ class ShardTable(DataTable):
     def on_mount(self) -> None:
         # narrow terminals cut the last column: the file name goes last
         self.add_columns("rank", "status", "size", "file")
-        for f in self.ckpt.files:
+        for f in sorted(self.ckpt.files, key=lambda f: (f.rank is None, f.rank or 0, f.path)):
             status = f.status if f.status == "ok" else f"[red]{f.status}[/]"
             self.add_row("" if f.rank is None else str(f.rank), status,
-                         human_bytes(f.bytes), os.path.basename(f.path))
+                         human_bytes(f.bytes), short_path(f.path, self.ckpt.path))
