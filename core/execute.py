@@ -212,6 +212,28 @@ def assemble(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src: _Sour
     return full
 
 
+def assemble_bytes(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src: _Sources,
+                   flat: bool = False):
+    """The full tensor as a numpy array of unsigned integers as wide as ``dtype``'s elements
+    (the bit patterns, never converted), filled from its located ``pieces`` (strided views
+    allowed); with ``flat`` the pieces are ranges of the flattened tensor."""
+    import numpy as np
+
+    size = ITEMSIZE[dtype]
+    word = np.dtype(f"<u{size}")
+    full = np.empty(shape, dtype=word)
+    view = full.reshape(-1) if flat else full
+    for p in pieces:
+        if p.numel == 0:
+            continue
+        n = _span(p)
+        buf = np.frombuffer(_pread_exact(src.fd(p.file), n * size, p.byte_offset, p.file),
+                            dtype=word, count=n)
+        part = np.lib.stride_tricks.as_strided(buf, p.shape, [st * size for st in p.stride])
+        view[tuple(slice(o, o + k) for o, k in zip(p.global_offsets, p.shape))] = part
+    return full
+
+
 def fold_lora(w, a, b, scale: float, out_dtype):
     """``W + (B @ A) * scale`` computed in float32 and cast once to ``out_dtype``, in the order
     peft's ``merge_and_unload`` uses (delta in the adapter's fp32, one rounding at the end)."""
@@ -298,6 +320,18 @@ class _Writer:
                     _pwrite_all(dst, x.reshape(-1).view(torch.uint8).numpy(), pos)
                 pos += out_bytes
                 self._report(p, out_bytes)
+        elif t.dtype == t.source.dtype or {t.source.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
+            # pieces in boxes (e.g. TP Shard(1) columns): placed by numpy as raw elements of
+            # the same width, so no torch import and no conversion; then a cast if asked
+            full = assemble_bytes(t.pieces, t.shape, t.source.dtype, self.src, t.source.flat)
+            for p in t.pieces:
+                self._report(p, 0)
+            if t.dtype != t.source.dtype:
+                from .cast import cast_bytes
+
+                full = cast_bytes(full.reshape(-1).view("u1"), t.source.dtype, t.dtype)
+            _pwrite_all(dst, full.reshape(-1).view("u1"), offset)
+            self._report(None, t.nbytes)
         else:
             import torch
 

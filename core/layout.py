@@ -21,9 +21,10 @@ class Piece:
     ``shape``/``stride``: the stored slice, in elements (strides as torch reports them).
     ``global_offsets``: where the slice starts in the global tensor, one entry per dim.
     ``rank``/``coord``: the rank that wrote it and its coordinate in the device mesh.
-    ``archive``: ``(start, length)`` in bytes of an embedded ``torch.save`` archive (a DCP
-    chunk) not yet located; ``byte_offset`` then counts from that archive's tensor data and
-    ``stride`` assumes it is C-contiguous. ``CheckpointLayout.resolve_piece`` locates it.
+    ``archive``: ``(start, length, chunk shape)`` of an embedded ``torch.save`` archive (a
+    DCP chunk; bytes, bytes, elements) not yet located; ``byte_offset`` then counts from that
+    archive's tensor data and ``stride`` assumes it is C-contiguous.
+    ``CheckpointLayout.resolve_piece`` locates it.
     """
 
     file: str
@@ -34,7 +35,7 @@ class Piece:
     global_offsets: tuple[int, ...]
     rank: int | None = None
     coord: tuple[int, ...] | None = None
-    archive: tuple[int, int] | None = None
+    archive: tuple | None = None
 
     @property
     def numel(self) -> int:

@@ -82,6 +82,9 @@ class Arch:
     dtype: str = "float32"
     #: config fields not found in a config or in ``args`` but guessed (from shapes or defaults)
     guessed: list[str] = field(default_factory=list)
+    #: True when a separate output layer contradicts ``tied`` (set by the readers: torch_dist
+    #: never stores one for tied embeddings; legacy PP > 1 stages keep a copy)
+    tied_checked: bool = False
 
     @property
     def heads_per_group(self) -> int:
@@ -113,13 +116,22 @@ _DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.floa
 
 
 def arch_from(args: dict[str, Any], config: dict[str, Any] | None,
-              shapes: dict[str, tuple[int, ...]], path: str) -> tuple[Arch | None, list[Problem]]:
+              shapes: dict[str, tuple[int, ...]], path: str,
+              output_means_untied: bool = False) -> tuple[Arch | None, list[Problem]]:
     """The model's :class:`Arch` from the Hugging Face ``config`` (when given, it wins for the
     names and the vocabulary), Megatron's ``args`` and the global ``shapes`` of the normalised
-    Megatron tensors. Returns (None, [error]) when the attention layout cannot be known."""
+    Megatron tensors, with ``config-mismatch`` problems where they contradict the tensors.
+    ``output_means_untied``: a stored output layer proves untied embeddings (torch_dist; a
+    legacy last stage keeps a copy of a tied one). Returns (None, [error]) when the attention
+    layout cannot be known or the config holds non-numbers."""
     problems: list[Problem] = []
     cfg = config or {}
     guessed: list[str] = []
+    bad = [k for k in INT_FIELDS if k in cfg and cfg[k] is not None
+           and (not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 0)]
+    if bad:
+        return None, [Problem("bad-config", f"config.json: {bad[0]} is {cfg[bad[0]]!r}, not a "
+                              "count", path)]
 
     def pick(cfg_key: str | None, arg_key: str | None, default=None, guess=None):
         if cfg_key and cfg.get(cfg_key) is not None:
@@ -142,7 +154,8 @@ def arch_from(args: dict[str, Any], config: dict[str, Any] | None,
         return None, [Problem("no-model-config", "neither a Hugging Face config nor Megatron's "
                               "args give the number of attention heads: pass --hf-config DIR",
                               path)]
-    groups = cfg.get("num_key_value_heads") or (
+    # a config is taken as transformers reads it: no num_key_value_heads means one per head
+    groups = (cfg.get("num_key_value_heads") or heads) if cfg else (
         args.get("num_query_groups") if args.get("group_query_attention") else None) or heads
     head_dim = cfg.get("head_dim") or args.get("kv_channels") or hidden // heads
     ffn = pick("intermediate_size", "ffn_hidden_size")
@@ -182,7 +195,7 @@ def arch_from(args: dict[str, Any], config: dict[str, Any] | None,
         dtype=cfg.get("torch_dtype") or ("bfloat16" if args.get("bf16") else "float16"
                                          if args.get("fp16") else _DTYPES.get(
                                              str(args.get("params_dtype")), "float32")),
-        guessed=guessed if not cfg else [])
+        guessed=guessed if not cfg else [], tied_checked=output_means_untied)
     if model_type not in DENSE_TYPES + MOE_TYPES:
         problems.append(Problem("unsupported-model", f"model type {model_type!r}: shardscope "
                                 "maps Megatron names to " + ", ".join(DENSE_TYPES + MOE_TYPES),
@@ -200,7 +213,60 @@ def arch_from(args: dict[str, Any], config: dict[str, Any] | None,
     if not arch.swiglu:
         problems.append(Problem("unsupported-model", "a non-gated MLP has no Llama-family "
                                 "Hugging Face name", path))
+    untie = args.get("untie_embeddings_and_output_weights")
+    if cfg.get("tie_word_embeddings") is not None and untie is not None and \
+            bool(cfg["tie_word_embeddings"]) == bool(untie):
+        problems.append(Problem("config-mismatch", f"the config says tie_word_embeddings="
+                                f"{cfg['tie_word_embeddings']}, Megatron's args say "
+                                f"untie_embeddings_and_output_weights={untie}", path))
+    problems += _fit_problems(arch, cfg, shapes, layer_ids, path)
     return arch, problems
+
+
+#: config.json fields that must be non-negative integers
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+              "num_experts_per_tok")
+
+
+def _fit_problems(a: Arch, cfg: dict, shapes: dict, layer_ids: set, path: str) -> list[Problem]:
+    """``config-mismatch`` errors where the model description (config or args) contradicts
+    the tensors: layer count, hidden size, MLP width, experts, and the family's features
+    (qkv bias, q/k norms, experts), so no merge writes a folder that loads wrongly."""
+    out: list[str] = []
+    emb = shapes.get("embedding.word_embeddings.weight")
+    if layer_ids and a.layers != max(layer_ids) + 1:
+        out.append(f"{a.layers} layers described, the checkpoint holds {max(layer_ids) + 1}")
+    if emb and a.hidden != emb[1]:
+        out.append(f"hidden size {a.hidden} described, the embedding has {emb[1]} columns")
+    fc1 = shapes.get("decoder.layers.0.mlp.linear_fc1.weight") or shapes.get(
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")
+    if fc1 and a.swiglu and a.ffn != fc1[0] // 2:
+        out.append(f"MLP width {a.ffn} described, linear_fc1 holds {fc1[0] // 2} (x2 rows)")
+    experts = {int(m[1]) for n in shapes if (m := LAYER_RE.match(n))
+               and (x := EXPERT_RE.match(m[2]))}
+    found = max(experts) + 1 if experts else 0
+    if found != (a.experts or 0):
+        out.append(f"{a.experts or 0} experts described, the checkpoint holds {found}")
+    mt = a.model_type
+    if a.qkv_bias and not (mt == "qwen2" or cfg.get("attention_bias") or not cfg):
+        out.append(f"linear_qkv has a bias, which model type {mt} without attention_bias "
+                   "would drop")
+    if not a.qkv_bias and mt == "qwen2":
+        out.append("model type qwen2 needs q/k/v biases, the checkpoint has none")
+    if a.qk_norm != (mt == "qwen3"):
+        out.append(f"model type {mt} " + ("has no q/k norms, the checkpoint has them"
+                                         if a.qk_norm else "needs q/k norms, the checkpoint "
+                                         "has none"))
+    if (mt in MOE_TYPES) != bool(found):
+        out.append(f"model type {mt} " + ("needs experts" if mt in MOE_TYPES else
+                                         "has no experts") + ", the checkpoint " +
+                   ("has none" if not found else "has them"))
+    out_layer = "output_layer.weight" in shapes
+    return [Problem("config-mismatch", m, path) for m in out] + (
+        [Problem("config-mismatch", "the config ties the embeddings, but the checkpoint has its "
+                 "own output layer: pass a config with tie_word_embeddings false", path)]
+        if a.tied and out_layer and a.tied_checked else [])
 
 
 def select(t: TensorInfo, index: tuple[int, ...], segments: list[tuple[int, int, int]] | None,

@@ -246,3 +246,176 @@ def test_config_that_does_not_fit(megatron_root, tmp_path):
     (cfg / "config.json").write_text(json.dumps(c))
     layout = detect(megatron_root / "llama" / "tp2_pp1" / "legacy", hf_config=str(cfg))
     assert "config-mismatch" in {p.code for p in layout.errors}
+
+
+# --- found by a breaking pass: each kind of damage is refused, never merged wrongly --------
+
+def _error_codes(layout) -> set[str]:
+    return {p.code for p in layout.errors}
+
+
+def test_overlapping_chunk_bytes_in_metadata(megatron_root, tmp_path):
+    """A .metadata whose storage entry points into another chunk's bytes is refused."""
+    import pickle
+
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "torch_dist", tmp_path / "ck")
+    meta = ck / "iter_0000010" / ".metadata"
+    m = pickle.loads(meta.read_bytes())  # torch is imported: DCP's own classes load
+    items = sorted(((i, s) for i, s in m.storage_data.items() if s.relative_path ==
+                    "__0_0.distcp"), key=lambda kv: kv[1].offset)
+    (idx, info), (_, other) = items[-1], items[-2]
+    m.storage_data[idx] = type(info)(info.relative_path, other.offset, info.length)
+    meta.write_bytes(pickle.dumps(m))
+    assert "overlapping-chunks" in _error_codes(detect(ck))
+
+
+def test_chunk_with_too_few_dims(megatron_root, tmp_path):
+    import pickle
+
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "torch_dist", tmp_path / "ck")
+    meta = ck / "iter_0000010" / ".metadata"
+    m = pickle.loads(meta.read_bytes())
+    tm = m.state_dict_metadata["decoder.layers.mlp.linear_fc2.weight"]
+    tm.chunks[0] = type(tm.chunks[0])(tm.chunks[0].offsets[:2], tm.chunks[0].sizes[:2])
+    meta.write_bytes(pickle.dumps(m))
+    assert "bad-chunk" in _error_codes(detect(ck))
+
+
+def test_swapped_stage_folders(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp1_pp2" / "legacy", tmp_path / "ck")
+    it = ck / "iter_0000010"
+    (it / "mp_rank_00_000").rename(it / "tmp")
+    (it / "mp_rank_00_001").rename(it / "mp_rank_00_000")
+    (it / "tmp").rename(it / "mp_rank_00_001")
+    assert "stage-order" in _error_codes(detect(ck))
+
+
+def test_stage_from_another_run(megatron_root, tmp_path):
+    """A VPP set whose second stage comes from a run without VPP."""
+    ck = copy_checkpoint(megatron_root / "llama" / "tp1_pp2_vpp2" / "legacy", tmp_path / "ck")
+    other = megatron_root / "llama" / "tp1_pp2" / "legacy" / "iter_0000010" / "mp_rank_00_001"
+    shutil.rmtree(ck / "iter_0000010" / "mp_rank_00_001")
+    shutil.copytree(other, ck / "iter_0000010" / "mp_rank_00_001")
+    assert _error_codes(detect(ck)) & {"parallel-mismatch", "args-disagree"}
+
+
+def test_one_rank_in_another_dtype(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    f = ck / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    _rewrite(f, lambda s: s.__setitem__("model", {
+        k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) else v
+        for k, v in s["model"].items()}))
+    assert "dtype-mismatch" in _error_codes(detect(ck))
+
+
+def test_tensor_on_one_tp_rank_only(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    f = ck / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    _rewrite(f, lambda s: s["model"].pop("decoder.layers.1.pre_mlp_layernorm.weight"))
+    bad = [p for p in detect(ck).errors if p.code == "key-mismatch"]
+    assert bad and "decoder.layers.1.pre_mlp_layernorm.weight" in bad[0].message
+
+
+def test_model_entry_that_is_not_a_state_dict(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    f = ck / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    _rewrite(f, lambda s: s.__setitem__("model", list(s["model"].values())))
+    assert ("unreadable-file", "model_optim_rng.pt") in codes(detect(ck))
+
+
+def _config(megatron_root, tmp_path, family="llama", **change) -> str:
+    cfg = copy_checkpoint(megatron_root / family / "reference", tmp_path / "cfg")
+    c = json.loads((cfg / "config.json").read_text())
+    for k, v in change.items():
+        if v is None:
+            c.pop(k, None)
+        else:
+            c[k] = v
+    (cfg / "config.json").write_text(json.dumps(c))
+    return str(cfg)
+
+
+@pytest.mark.parametrize("family,change", [
+    ("llama", {"intermediate_size": 128}),
+    ("llama", {"model_type": "qwen2"}),
+    ("llama", {"model_type": "mixtral"}),
+    ("llama", {"num_key_value_heads": None}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("qwen2", {"model_type": "llama"}),
+    ("qwen2", {"model_type": "qwen3"}),
+    ("mixtral", {"num_local_experts": 8}),
+    ("llama", {"num_hidden_layers": 8}),
+])
+@pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
+def test_config_that_contradicts_the_weights(megatron_root, tmp_path, family, change, kind):
+    layout_dir = "tp2_pp1_ep2" if family == "mixtral" else "tp2_pp1"
+    cfg = _config(megatron_root, tmp_path, family, **change)
+    layout = detect(megatron_root / family / layout_dir / kind, hf_config=cfg)
+    assert "config-mismatch" in _error_codes(layout), layout.problems
+
+
+def test_config_with_a_string_count(megatron_root, tmp_path):
+    cfg = _config(megatron_root, tmp_path, vocab_size="300")
+    assert "bad-config" in _error_codes(detect(megatron_root / "llama" / "tp2_pp1" / "legacy",
+                                                hf_config=cfg))
+
+
+def test_args_that_contradict_the_weights(megatron_root, tmp_path):
+    """No config: the one derived from args must fit the tensors, or the merge refuses."""
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    for f in (ck / "iter_0000010").glob("*/model_optim_rng.pt"):
+        _rewrite(f, lambda s: setattr(s["args"], "num_layers", 8))
+    assert "config-mismatch" in _error_codes(detect(ck))
+
+
+def _corrupt_zip_directory(f: Path) -> None:
+    """Set an unknown compression method for every entry of the archive's central
+    directory (zipfile then raises NotImplementedError on reading data.pkl)."""
+    data = bytearray(f.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while at >= 0:
+        data[at + 10:at + 12] = (99).to_bytes(2, "little")
+        at = data.find(b"PK\x01\x02", at + 4)
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("which", ["legacy", "common.pt"])
+def test_corrupt_zip_directory_is_one_line(megatron_root, tmp_path, which):
+    kind = "legacy" if which == "legacy" else "torch_dist"
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / kind, tmp_path / "ck")
+    f = (ck / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt" if which == "legacy"
+         else ck / "iter_0000010" / "common.pt")
+    _corrupt_zip_directory(f)
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3, r.stderr
+    assert f.name in r.stderr and "Traceback" not in r.stderr and "unexpected" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+class _Boom:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_unsafe_common_pt_is_refused(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "torch_dist", tmp_path / "ck")
+    marker = tmp_path / "ran"
+    torch.save({"args": _Boom(marker)}, ck / "iter_0000010" / "common.pt")
+    assert not marker.exists()
+    layout = detect(ck)
+    assert "unsafe-pickle" in _error_codes(layout)
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3 and not marker.exists()
+
+
+def test_bad_tracker_file_is_named(megatron_root, tmp_path):
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "torch_dist", tmp_path / "ck")
+    (ck / "latest_checkpointed_iteration.txt").write_text("99")
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3
+    assert "latest_checkpointed_iteration.txt" in r.stderr and "iter_0000099" in r.stderr

@@ -130,6 +130,7 @@ def _read(path: str) -> CheckpointLayout:
         if isinstance(idx, Record):
             where[(idx.get("fqn"), tuple(idx.get("offset") or ()))] = info
     files: dict[str, int] = {}
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
     sizes: dict[str, int | None] = {}
     try:
         for name in sorted(os.listdir(d)):
@@ -149,6 +150,12 @@ def _read(path: str) -> CheckpointLayout:
                        "DCP chunks" if len(tm.get("chunks") or ()) > 1 else "DCP")
         for ch in tm.get("chunks") or ():
             offsets, csize = tuple(ch.get("offsets")), tuple(ch.get("sizes"))
+            if not (len(offsets) == len(csize) == len(t.shape)) or any(
+                    not isinstance(x, int) or x < 0 for x in (*offsets, *csize)):
+                layout.problems.append(Problem("bad-chunk", f"{name}: a chunk of a "
+                                               f"{len(t.shape)}-d tensor at {offsets} with "
+                                               f"sizes {csize}", str(meta_path)))
+                continue
             info = where.get((key, offsets))
             if info is None:
                 layout.problems.append(Problem("missing-chunk", f"{name}: no storage entry for "
@@ -165,8 +172,17 @@ def _read(path: str) -> CheckpointLayout:
                     f"{info.get('transform_descriptors')}", fpath))
             # an embedded torch.save archive at [start, start+length), located later
             t.pieces.append(Piece(fpath, 0, dtype, csize, c_strides(csize), offsets, rank,
-                                  archive=(start, length)))
+                                  archive=(start, length, csize)))
+            ranges.setdefault(rel, []).append((start, length, name))
         layout.tensors[name] = t
+    for rel, spans in sorted(ranges.items()):  # each chunk owns its bytes
+        spans.sort()
+        for (a, n, x), (b, _, y) in zip(spans, spans[1:]):
+            if b < a + n:
+                layout.problems.append(Problem(
+                    "overlapping-chunks", f"{rel}: the bytes of {x} and {y} overlap "
+                    f"(at {b}): corrupt .metadata", str(meta_path)))
+                break
     for rel, need in sorted(files.items()):
         fpath = str(d / rel)
         sf = stat_file(fpath, _rank_of(rel))
@@ -245,11 +261,11 @@ def make_resolver():
     def resolve_piece(p: Piece) -> Piece:
         if p.archive is None:
             return p
-        start = p.archive[0]
-        offset, shape, stride, dtype = locate(p.file, *p.archive)
-        if dtype != p.dtype:
-            raise BadCheckpointError(f"chunk at byte {start} holds {dtype}, .metadata says "
-                                     f"{p.dtype}", p.file)
+        start, length, chunk = p.archive
+        offset, shape, stride, dtype = locate(p.file, start, length)
+        if dtype != p.dtype or shape != tuple(chunk):
+            raise BadCheckpointError(f"chunk at byte {start} holds {list(shape)} {dtype}, "
+                                     f".metadata says {list(chunk)} {p.dtype}", p.file)
         if p.byte_offset == 0 and p.shape == shape:  # the whole chunk, any strides
             return replace(p, byte_offset=offset, stride=stride, archive=None)
         numel = 1

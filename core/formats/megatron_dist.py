@@ -19,7 +19,7 @@ from .. import megatron as mg
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Problem, coverage_problems
 from . import dcp
-from .common import attach_config, read_config
+from .common import attach_config, problem_for, read_config
 from .megatron_legacy import iteration_dir
 from .torchsave import read_torch_archive
 
@@ -27,13 +27,16 @@ from .torchsave import read_torch_archive
 VERL_DIRS = ("dist_ckpt", "model/dist_ckpt", "model")
 
 
-def dist_dir(path: Path) -> Path | None:
+def dist_dir(path: Path, strict: bool = False) -> Path | None:
     """The folder holding ``metadata.json`` + ``.metadata``: ``path``, its current iteration,
-    or verl's ``dist_ckpt``; None when there is none."""
+    or verl's ``dist_ckpt``; None when there is none. With ``strict``, a tracker file naming a
+    missing or unreadable iteration raises BadCheckpointError."""
     candidates = [path]
     try:
         it = iteration_dir(path)
     except BadCheckpointError:
+        if strict:
+            raise
         it = None
     if it is not None:
         candidates.insert(0, it)
@@ -48,8 +51,14 @@ def dist_dir(path: Path) -> Path | None:
 
 
 def sniff(path: str) -> bool:
-    """True when ``path`` is (or holds, as above) a Megatron ``torch_dist`` checkpoint."""
-    return dist_dir(Path(path)) is not None
+    """True when ``path`` is (or holds, as above) a Megatron ``torch_dist`` checkpoint, or is
+    a top folder whose tracker file is broken but whose iterations are torch_dist (so the
+    reader names the tracker's problem)."""
+    p = Path(path)
+    if dist_dir(p) is not None:
+        return True
+    return (p / "latest_checkpointed_iteration.txt").is_file() and any(
+        p.glob("iter_*/metadata.json"))
 
 
 def _backend(d: Path) -> str:
@@ -68,20 +77,31 @@ def _args(d: Path, layout: CheckpointLayout) -> dict:
         return {}
     try:
         root = read_torch_archive(str(f)).root
-    except BadCheckpointError as e:
-        layout.problems.append(Problem("unreadable-file", e.message, str(f), "warning"))
+    except BadCheckpointError as e:  # present but damaged (or unsafe): refuse, as for weights
+        layout.problems.append(problem_for(e, str(f)))
         return {}
     return mg.namespace(root.get("args")) if isinstance(root, dict) else {}
 
 
 def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
+    """See :func:`_read`; unexpected content of the records becomes BadCheckpointError."""
+    try:
+        return _read(path, hf_config)
+    except BadCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - damaged records can hold anything
+        raise BadCheckpointError(f"corrupt torch_dist checkpoint ({type(e).__name__}: {e})",
+                                 path) from None
+
+
+def _read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     """Read a ``torch_dist`` checkpoint's layout from its DCP metadata and ``common.pt``, and
     cut it into Hugging Face tensors. Problems as for a DCP folder, plus
     ``parallel-mismatch`` (warning) when ``args`` disagree with the recorded chunks and
     ``unmapped-tensor`` for tensors with no Hugging Face name. Raises BadCheckpointError for
     an unreadable ``.metadata``/``metadata.json`` or a backend other than ``torch_dist``."""
     p = Path(path)
-    d = dist_dir(p)
+    d = dist_dir(p, strict=True)
     if d is None:
         raise BadCheckpointError("no metadata.json with .metadata: not a torch_dist folder",
                                  path)
@@ -93,10 +113,11 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     layout.format, layout.path = "megatron-dist", str(path)
     layout.notes = [n for n in layout.notes if "skipped" not in n]
     args = _args(d, layout)
+    if layout.errors:
+        layout.tensors = {}
+        return layout
     mt = mg.unstack(layout.tensors)
     layout.tensors = {}
-    if layout.errors:
-        return layout
     emb = mt.get("embedding.word_embeddings.weight")
     tp_found = len({pc.global_offsets for pc in emb.pieces}) if emb else 1
     tp = args.get("tensor_model_parallel_size") or tp_found
@@ -117,7 +138,8 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     layout.config_dir, layout.extra_files = None, []
     attach_config(layout, config_dir)
     config = read_config(config_dir)
-    arch, probs = mg.arch_from(args, config, {n: t.shape for n, t in mt.items()}, str(path))
+    arch, probs = mg.arch_from(args, config, {n: t.shape for n, t in mt.items()}, str(path),
+                               output_means_untied=True)
     layout.problems.extend(probs)
     if arch is None:
         return layout

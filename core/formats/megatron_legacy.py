@@ -109,6 +109,17 @@ def _split_rule(rest: str, swiglu: bool) -> str:
 
 
 def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
+    """See :func:`_read`; unexpected content of the pickles becomes BadCheckpointError."""
+    try:
+        return _read(path, hf_config)
+    except BadCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - damaged records can hold anything
+        raise BadCheckpointError(f"corrupt Megatron checkpoint ({type(e).__name__}: {e})",
+                                 path) from None
+
+
+def _read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     """Read a legacy Megatron checkpoint's layout (pickles only, no tensor data except the
     small replicated tensors compared across ranks) and cut it into Hugging Face tensors.
 
@@ -127,6 +138,7 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     layout = CheckpointLayout(format="megatron-legacy", path=str(path), world_size=0)
     contents: dict[tuple, tuple[str, list[dict]]] = {}
     args: dict = {}
+    args_file = ""
     for key, rd in sorted(dirs.items(), key=lambda kv: str(kv[1])):
         f = _model_file(rd)
         sf = stat_file(str(f))
@@ -141,15 +153,29 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
             sf.status = "unreadable"
             layout.problems.append(problem_for(e, str(f)))
             continue
-        contents[key] = (str(f), _chunks(root))
-        if not args and isinstance(root, dict):
-            args = mg.namespace(root.get("args"))
+        chunks = _chunks(root)
+        if not chunks or not all(isinstance(c, dict) for c in chunks):
+            sf.status = "unreadable"
+            layout.problems.append(Problem("unreadable-file", "no model state dict (model or "
+                                           "model0..) in this file", str(f)))
+            continue
+        contents[key] = (str(f), chunks)
+        these = mg.namespace(root.get("args")) if isinstance(root, dict) else {}
+        if not args:
+            args, args_file = these, str(f)
+        elif (diff := [k for k in ARGS_SAME if these.get(k) != args.get(k)]):
+            layout.problems.append(Problem(
+                "args-disagree", f"args say {diff[0]}={these.get(diff[0])!r} here, "
+                f"{args.get(diff[0])!r} in {Path(args_file).parent.name}", str(f)))
     if not contents:
         raise BadCheckpointError("no readable mp_rank_* model file", str(d))
     grid = _grid(dirs, contents, args, d, layout)
     if grid is None:
         return layout
     tp, pp, ep, vpp, files = grid
+    _check_consistency(files, pp, vpp, layout)
+    if layout.errors:
+        return layout
     layout.parallel = {k: v for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v > 1}
     if vpp > 1:
         layout.parallel["vpp"] = vpp
@@ -245,6 +271,56 @@ def _grid(dirs, contents, args, d: Path, layout: CheckpointLayout):
     return tp, pp, ep, vpp, files
 
 
+#: args fields every rank's file must agree on
+ARGS_SAME = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+             "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "num_layers",
+             "hidden_size", "num_attention_heads", "num_query_groups", "swiglu",
+             "padded_vocab_size", "num_experts", "untie_embeddings_and_output_weights")
+
+
+def _tensor_keys(sd: dict) -> set[str]:
+    return {k for k, v in sd.items() if isinstance(v, TensorRef)}
+
+
+def _check_consistency(files, pp: int, vpp: int, layout: CheckpointLayout) -> None:
+    """Errors for files that cannot belong together: a different number of model chunks
+    (VPP), a different set of tensors than the other TP/EP ranks of the same stage
+    (``key-mismatch``: a tensor on one rank only would be dropped or half-merged), and
+    embedding/output layers on the wrong stage (``stage-order``: swapped stage folders)."""
+    v_n = max(vpp, 1)
+    first_of_stage: dict[int, tuple[str, list[set[str]]]] = {}
+    for (t, s, e), (f, chunks) in sorted(files.items(), key=lambda kv: (kv[0][1], kv[0])):
+        if len(chunks) != v_n:
+            layout.problems.append(Problem("parallel-mismatch", f"{len(chunks)} model chunks "
+                                           f"here, {v_n} in the other files (VPP)", f))
+            continue
+        keys = [_tensor_keys(c) for c in chunks]
+        if s not in first_of_stage:
+            first_of_stage[s] = (f, keys)
+        else:
+            ref_f, ref_keys = first_of_stage[s]
+            for v, (a, b) in enumerate(zip(keys, ref_keys)):
+                if a != b:
+                    odd = sorted(a ^ b)[0]
+                    where = "here" if odd in a else f"in {Path(ref_f).parent.name}"
+                    layout.problems.append(Problem(
+                        "key-mismatch", f"{odd} is only {where}: the ranks of a stage must "
+                        "hold the same tensors", f))
+                    break
+        for v, ks in enumerate(keys):
+            first, last = (s, v) == (0, 0), (s, v) == (pp - 1, v_n - 1)
+            if any(k.startswith("embedding.") for k in ks) and not first:
+                layout.problems.append(Problem(
+                    "stage-order", f"the embedding is on stage {s}" + (f", chunk {v}" if vpp
+                                                                       else "") +
+                    ", not the first: are the stage folders swapped?", f))
+            if "decoder.final_layernorm.weight" in ks and not last:
+                layout.problems.append(Problem(
+                    "stage-order", f"the final norm is on stage {s}" + (f", chunk {v}" if vpp
+                                                                        else "") +
+                    ", not the last: are the stage folders swapped?", f))
+
+
 def _layer_offsets(files, pp: int, vpp: int):
     """Global number of each chunk's first layer: chunks ordered (vpp chunk, stage), each as
     long as the layers its files hold (so uneven stages work). Returns ({(stage, chunk):
@@ -317,8 +393,11 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
                               (0,) * len(shape)))
                 if not primary:
                     continue
-                _add(mt, name, rule, ref, f, t, tp, (s, t, e) if ep > 1 else (s, t),
-                     t + tp * (e + ep * s))
+                try:
+                    _add(mt, name, rule, ref, f, t, tp, (s, t, e) if ep > 1 else (s, t),
+                         t + tp * (e + ep * s))
+                except _Mismatch as m:
+                    layout.problems.append(m.problem)
     where = []
     for key, label in (("embedding.word_embeddings.weight", "embedding"),
                        ("output_layer.weight", "output layer")):
@@ -353,11 +432,19 @@ def _add(mt, name: str, rule: str, ref: TensorRef, f: str, t: int, tp: int, coor
         pieces = [Piece(f, ref.byte_offset + k * step, ref.dtype, (half,) + shape[1:], stride,
                         (k * half * tp + t * half,) + zeros[1:], rank, coord) for k in (0, 1)]
     info = mt.get(name)
+    if info is not None and info.dtype != ref.dtype:
+        raise _Mismatch(Problem("dtype-mismatch", f"{name} is {ref.dtype} here, {info.dtype} "
+                                "on another rank", f))
     if info is None:
         placement = {"replicated": "TP Replicate()", "col": "TP Shard(1)", "row": "TP Shard(0)",
                      "gated": "TP Shard(0) of gate and up"}[rule] if tp > 1 else "plain"
         info = mt[name] = TensorInfo(name, g, ref.dtype, placement, source=name)
     info.pieces.extend(pieces)
+
+
+class _Mismatch(Exception):
+    def __init__(self, problem: Problem):
+        self.problem = problem
 
 
 def _itemsize(dtype: str) -> int:
@@ -372,16 +459,16 @@ def _check_replicas(replicas: dict[str, list[Piece]], layout: CheckpointLayout) 
         first = pieces[0]
         if len(pieces) < 2 or first.nbytes > REPLICA_CHECK_BYTES or not first.contiguous:
             continue
-        want = _read(first)
+        want = _read_bytes(first)
         for p in pieces[1:]:
             if p.shape == first.shape and p.contiguous and want is not None \
-                    and _read(p) != want:
+                    and _read_bytes(p) != want:
                 layout.problems.append(Problem(
                     "replica-mismatch", f"{key.rsplit('@', 1)[0]} differs from its copy in "
                     f"{Path(first.file).parent.name}: replicas must be identical", p.file))
 
 
-def _read(p: Piece) -> bytes | None:
+def _read_bytes(p: Piece) -> bytes | None:
     try:
         with open(p.file, "rb") as fh:
             return os.pread(fh.fileno(), p.nbytes, p.byte_offset)

@@ -260,7 +260,10 @@ class _Window(io.RawIOBase):
         return True
 
     def seek(self, off, whence=0):
-        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.length + off
+        pos = off if whence == 0 else self.pos + off if whence == 1 else self.length + off
+        if pos < 0:  # a damaged zip directory can point before the archive
+            raise ValueError("seek before the start of the archive")
+        self.pos = pos
         return self.pos
 
     def tell(self):
@@ -291,6 +294,16 @@ def read_torch_archive(path: str, base: int = 0, length: int | None = None) -> T
     Raises :class:`BadCheckpointError` when the file is not a readable archive or a storage
     entry is missing, compressed or short; :class:`UnsafeCheckpointError` for a forbidden global.
     """
+    try:
+        return _read_archive(path, base, length)
+    except (BadCheckpointError, UnsafeCheckpointError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged zip directory can raise anything
+        raise BadCheckpointError(f"corrupt torch.save archive ({type(e).__name__}: {e})",
+                                 path) from None
+
+
+def _read_archive(path: str, base: int, length: int | None) -> TorchArchive:
     try:
         f = open(path, "rb")
     except OSError as e:
