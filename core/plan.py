@@ -189,7 +189,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     out = Path(options.output)
     check_output(out, options.overwrite, layout.path)
     if (layout.format.startswith("megatron") and options.hf_config
-            and layout.config_dir != str(options.hf_config)):
+            and Path(layout.config_dir or "").resolve() != Path(options.hf_config).resolve()):
         from .formats import detect  # the cut into Hugging Face tensors depends on the config
 
         layout = detect(layout.path, hf_config=options.hf_config)

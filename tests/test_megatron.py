@@ -419,3 +419,22 @@ def test_bad_tracker_file_is_named(megatron_root, tmp_path):
     r = merge_cli(ck, tmp_path / "out")
     assert r.returncode == 3
     assert "latest_checkpointed_iteration.txt" in r.stderr and "iter_0000099" in r.stderr
+
+
+def test_merge_deep_refuses_flipped_tensor_bytes(megatron_root, tmp_path):
+    """A flipped byte inside tensor data passes the metadata checks; `merge --deep` reads
+    every byte first and refuses it by the CRC-32 torch.save recorded."""
+    from core.formats.torchsave import read_torch_archive
+
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    f = ck / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    ref = read_torch_archive(str(f)).root["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
+    with open(f, "r+b") as fh:
+        fh.seek(ref.byte_offset + 7)
+        b = fh.read(1)
+        fh.seek(ref.byte_offset + 7)
+        fh.write(bytes([b[0] ^ 0x40]))
+    cfg = str(megatron_root / "llama" / "reference")
+    r = merge_cli(ck, tmp_path / "out", "--deep", "--hf-config", cfg)
+    assert r.returncode == 3 and "model_optim_rng.pt" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

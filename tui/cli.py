@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cast floating-point tensors (default: keep each tensor's dtype)")
     m.add_argument("--max-shard-size", default="5GB",
                    help="largest output file (decimal units, default 5GB)")
+    m.add_argument("--deep", action="store_true",
+                   help="first read every source byte and check the CRC-32 that torch.save "
+                        "records (refuses flipped bytes in tensor data; costs one more read)")
     m.add_argument("--hf-config", metavar="DIR",
                    help="folder whose config/tokenizer files are copied (never its weights)")
     m.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -224,7 +227,10 @@ def cmd_merge(args) -> int:
     if log:
         log(f"reading the layout of {path}")
     started = time.perf_counter()
-    layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights)
+    layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights,
+                    hf_config=args.hf_config or args.hf_model_path)
+    if args.deep and not layout.errors:
+        layout.problems.extend(_deep(layout, show=not args.quiet))
     opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
                         workers=max(1, args.workers), lora=args.lora,
