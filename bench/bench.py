@@ -219,25 +219,29 @@ def main() -> None:
               file=sys.stderr)
     rows = []
     floor = None
+    mg_size = model_bytes(mg / "tp2_pp2" / "legacy") if args.megatron else size
     for name, cmd, o, shard in jobs:
         print(f"running: {name}", file=sys.stderr)
         r = measure(cmd, o, args.reps)
         if name.startswith("copy floor"):  # each group's ratios are to its own floor
             floor = r["wall"]
-        rows.append((name, r, shard, floor))
+        megatron = "megatron" in name or "mp_rank" in name
+        rows.append((name, r, shard, floor, mg_size if megatron else size))
     inspect = measure(exe + ["inspect", str(many), "--json"], None, args.reps)
     app = measure([sys.executable, "-c", APP_START, str(fsdp)], None, args.reps)
     cpu = platform.processor() or platform.machine()
     print(f"\nmodel: {size / 1e9:.2f} GB of tensors, {shard_bytes / 1e9:.2f} GB in "
-          f"{args.world_size} rank files; {os.cpu_count()} CPUs ({cpu}), "
+          f"{args.world_size} rank files" + (f"; Megatron model {mg_size / 1e9:.2f} GB"
+                                             if args.megatron else "") +
+          f"; {os.cpu_count()} CPUs ({cpu}), "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
           f"median of {args.reps}\n")
-    print(f"| job | wall s | x floor | peak RSS GB | RSS / model | RSS - shard (MiB) | rc |")
+    print("| job | wall s | x floor | peak RSS GB | RSS / model | RSS - shard (MiB) | rc |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, r, shard, floor in rows:
-        over = f"{(r['rss'] - min(shard, size)) / 2**20:.0f}" if shard else ""
+    for name, r, shard, floor, msize in rows:
+        over = f"{(r['rss'] - min(shard, msize)) / 2**20:.0f}" if shard else ""
         print(f"| {name} | {r['wall']:.2f} | {r['wall'] / floor:.2f} | {r['rss'] / 1e9:.2f} | "
-              f"{r['rss'] / size:.2f} | {over} | {r['rc']} |")
+              f"{r['rss'] / msize:.2f} | {over} | {r['rc']} |")
     verl = next((r for n, r, *_ in rows if n.startswith("peer: verl")), None)
     if verl is not None:
         ours = next(r for n, r, *_ in rows if "--dtype bf16" in n)

@@ -153,9 +153,16 @@ def _read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     for t in layout.tensors.values():
         layout.problems.extend(coverage_problems(t))
     stages = _stages(args, arch.layers, pp, vpp)
+    owners = []
+    for key, label in (("embedding.word_embeddings.weight", "embedding"),
+                       ("output_layer.weight", "output layer")):
+        ranks = sorted({pc.rank for pc in mt[key].pieces if pc.rank is not None}
+                       ) if key in mt else []
+        if ranks:
+            owners.append(f"{label} written by rank{'s' if len(ranks) > 1 else ''} "
+                          + ", ".join(map(str, ranks)))
     layout.details = mg.describe(
-        arch, layout.parallel, stages,
-        "global tensors (torch_dist records no stage owner)",
+        arch, layout.parallel, stages, "; ".join(owners) or "none found",
         "common.pt" if args else "none (sizes from the Hugging Face config and shapes)")
     return layout
 

@@ -22,7 +22,7 @@ def summary_text(layout: CheckpointLayout) -> str:
         f"[b]tensors[/]     {len(layout.tensors)} ({human_count(layout.parameters)} "
         "parameters)",
         f"[b]size[/]        {human_bytes(layout.bytes)}",
-        f"[b]dtypes[/]      " + ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items()),
+        "[b]dtypes[/]      " + ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items()),
         f"[b]config[/]      {_short(layout.config_dir, layout.path) or _no_config(layout)}",
     ]
     if layout.lora is not None:
