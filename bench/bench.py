@@ -196,18 +196,6 @@ def main() -> None:
         ("peer: dcp_to_torch_save + safetensors save",
          [sys.executable, "-c", DCP_PEER, str(dcp), str(out)], out, None),
     ]
-    if args.megatron:
-        mg = _megatron_checkpoint(Path(args.cache))
-        for kind in ("legacy", "torch_dist"):
-            src = mg / "tp2_pp2" / kind
-            jobs.append((f"copy floor, megatron {kind} files",
-                         [sys.executable, "-c", COPY_FLOOR, str(src), str(out)], out, None))
-            jobs.append((f"shardscope merge megatron {kind} (TP2 x PP2), keep dtype",
-                         exe + ["merge", str(src), "-o", str(out), "-q", "--hf-config",
-                                str(mg / "reference")], out, 5 * 10**9))
-        jobs.append(("peer floor: torch.load of every mp_rank file (converters' first step)",
-                     [sys.executable, "-c", MEGATRON_LOAD_PEER, str(mg / "tp2_pp2" / "legacy")],
-                     None, None))
     has_verl = subprocess.run([args.verl_python, "-c", "import verl.model_merger"],
                               capture_output=True).returncode == 0
     if has_verl:
@@ -217,6 +205,19 @@ def main() -> None:
     else:
         print("verl is not importable (see --verl-python): its merger is not measured",
               file=sys.stderr)
+    if args.megatron:  # after the FSDP group: each group's ratios are to its own floor
+        mg = _megatron_checkpoint(Path(args.cache))
+        for kind in ("legacy", "torch_dist"):
+            src = mg / "tp2_pp2" / kind
+            jobs.append((f"copy floor, megatron {kind} files",
+                         [sys.executable, "-c", COPY_FLOOR, str(src), str(out)], out, None))
+            jobs.append((f"shardscope merge megatron {kind} (TP2 x PP2), keep dtype",
+                         exe + ["merge", str(src), "-o", str(out), "-q", "--hf-config",
+                                str(mg / "reference")], out, 5 * 10**9))
+            if kind == "legacy":
+                jobs.append(("peer floor: torch.load of every mp_rank file (converters' first "
+                             "step)", [sys.executable, "-c", MEGATRON_LOAD_PEER, str(src)],
+                             None, None))
     rows = []
     floor = None
     mg_size = model_bytes(mg / "tp2_pp2" / "legacy") if args.megatron else size
@@ -248,6 +249,12 @@ def main() -> None:
         print(f"\nshardscope --dtype bf16 against verl's merger (same output dtype): "
               f"{ours['wall'] / verl['wall']:.2f} x its wall time, "
               f"{ours['rss'] / verl['rss']:.2f} x its peak RSS")
+    load = next((r for n, r, *_ in rows if n.startswith("peer floor: torch.load")), None)
+    if load is not None:
+        ours = next(r for n, r, *_ in rows if n.startswith("shardscope merge megatron legacy"))
+        print(f"\nshardscope's whole Megatron legacy merge against only torch.load-ing the same "
+              f"files: {ours['wall'] / load['wall']:.2f} x its wall time, "
+              f"{ours['rss'] / load['rss']:.2f} x its peak RSS")
     print(f"\n`shardscope inspect --json`, 64 ranks: {inspect['wall']:.2f} s (whole process); "
           f"app start to first screen: {app['wall']:.2f} s")
 

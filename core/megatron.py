@@ -437,6 +437,6 @@ def describe(arch: Arch, par: dict[str, int], stages: str, embed_ranks: str,
         "attention": att,
         "MLP": mlp,
         "tied embeddings": "yes" if a.tied else "no",
-        "Hugging Face names": a.model_type,
+        "HF names": a.model_type,
         "args": args_source,
     }

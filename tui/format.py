@@ -21,13 +21,13 @@ def human_count(n: int) -> str:
 
 
 def short_path(path: str, base: str | None = None, parts: int = 2) -> str:
-    """A file as the user knows it: relative to the checkpoint folder ``base`` when inside it,
-    else its last ``parts`` path components (``mp_rank_01_001/model_optim_rng.pt``), so files
-    with the same name in different rank folders stay apart."""
+    """A file as the user knows it: its last ``parts`` path components below the checkpoint
+    folder ``base`` (``mp_rank_01_001/model_optim_rng.pt``, ``model_world_size_2_rank_0.pt``),
+    so files with the same name in different rank folders stay apart."""
     import os
 
     if base:
         rel = os.path.relpath(path, base)
         if not rel.startswith(".."):
-            return rel
+            path = rel
     return os.path.join(*path.split(os.sep)[-parts:]) if os.sep in path else path

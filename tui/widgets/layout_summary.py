@@ -10,26 +10,25 @@ from tui.format import human_bytes, human_count
 
 
 def summary_text(layout: CheckpointLayout) -> str:
-    """Rich markup describing ``layout`` (one fact per line)."""
+    """Rich markup describing ``layout`` (one fact per line, labels aligned)."""
     d = layout.to_dict()
-    mesh = layout.mesh_text
     par = " ".join(f"{k}={v}" for k, v in d["parallel"].items() if v > 1) or "none"
-    lines = [
-        f"[b]format[/]      {layout.format}",
-        f"[b]world size[/]  {layout.world_size}",
-        f"[b]device mesh[/] {mesh}",
-        f"[b]parallel[/]    {par}",
-        f"[b]tensors[/]     {len(layout.tensors)} ({human_count(layout.parameters)} "
-        "parameters)",
-        f"[b]size[/]        {human_bytes(layout.bytes)}",
-        "[b]dtypes[/]      " + ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items()),
-        f"[b]config[/]      {_short(layout.config_dir, layout.path) or _no_config(layout)}",
+    rows = [
+        ("format", layout.format),
+        ("world size", str(layout.world_size)),
+        ("device mesh", layout.mesh_text),
+        ("parallel", par),
+        ("tensors", f"{len(layout.tensors)} ({human_count(layout.parameters)} parameters)"),
+        ("size", human_bytes(layout.bytes)),
+        ("dtypes", ", ".join(f"{k}x{v}" for k, v in layout.dtypes.items())),
+        ("config", _short(layout.config_dir, layout.path) or _no_config(layout)),
     ]
     if layout.lora is not None:
-        lines.append(f"[b]LoRA[/]        {layout.lora.summary()}")
-    for label, text in layout.details.items():
-        lines.append(f"[b]{escape(label)}[/] {escape(text)}")
-    return "\n".join(lines)
+        rows.append(("LoRA", layout.lora.summary()))
+    rows += list(layout.details.items())
+    width = max(len(label) for label, _ in rows) + 1
+    return "\n".join(f"[b]{escape(label)}[/]{' ' * (width - len(label))}{escape(text)}"
+                     for label, text in rows)
 
 
 def _no_config(layout: CheckpointLayout) -> str:
