@@ -399,6 +399,32 @@ def to_hf(mt: dict[str, TensorInfo], arch: Arch, path: str
     return hf, problems
 
 
+def cut_to_hf(layout, mt: dict[str, TensorInfo], args: dict[str, Any], config_dir,
+              output_means_untied: bool = False) -> Arch | None:
+    """The steps both Megatron readers end with: attach the Hugging Face config folder (or
+    derive ``layout.derived_config`` from ``args``, a ``config-guessed`` warning per guessed
+    field), work out the :class:`Arch`, and set ``layout.tensors`` to the Hugging Face tensors
+    cut from ``mt``. Problems go to ``layout.problems``; returns None when the model cannot
+    be described."""
+    from .formats.common import attach_config, read_config
+
+    layout.config_dir, layout.extra_files = None, []
+    attach_config(layout, config_dir)
+    config = read_config(config_dir)
+    arch, probs = arch_from(args, config, {n: t.shape for n, t in mt.items()}, layout.path,
+                            output_means_untied)
+    layout.problems.extend(probs)
+    if arch is None:
+        return None
+    if config is None:
+        layout.derived_config = arch.hf_config()
+        layout.problems.extend(Problem("config-guessed", f"no Hugging Face config: {g}",
+                                       layout.path, "warning") for g in arch.guessed)
+    layout.tensors, probs = to_hf(mt, arch, layout.path)
+    layout.problems.extend(probs)
+    return arch
+
+
 def pipeline_text(stage_layers: dict[tuple[int, int], list[int]], pp: int, vpp: int) -> str:
     """``stage 0: layers 0-1; stage 1: layers 2-3`` from {(pp rank, vpp chunk): global
     layer numbers}."""

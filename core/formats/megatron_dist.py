@@ -19,7 +19,7 @@ from .. import megatron as mg
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Problem, coverage_problems
 from . import dcp
-from .common import attach_config, problem_for, read_config
+from .common import problem_for
 from .megatron_legacy import iteration_dir
 from .torchsave import read_torch_archive
 
@@ -135,21 +135,9 @@ def _read(path: str, hf_config: str | None = None) -> CheckpointLayout:
         layout.mesh_shape = (pp, tp, ep) if ep > 1 else (pp, tp)
         layout.mesh_dim_names = ("pp", "tp", "ep") if ep > 1 else ("pp", "tp")
     config_dir = Path(hf_config) if hf_config else _config_dir(p, d)
-    layout.config_dir, layout.extra_files = None, []
-    attach_config(layout, config_dir)
-    config = read_config(config_dir)
-    arch, probs = mg.arch_from(args, config, {n: t.shape for n, t in mt.items()}, str(path),
-                               output_means_untied=True)
-    layout.problems.extend(probs)
+    arch = mg.cut_to_hf(layout, mt, args, config_dir, output_means_untied=True)
     if arch is None:
         return layout
-    if config is None:
-        layout.derived_config = arch.hf_config()
-        for g in arch.guessed:
-            layout.problems.append(Problem("config-guessed", f"no Hugging Face config: {g}",
-                                           str(path), "warning"))
-    layout.tensors, probs = mg.to_hf(mt, arch, str(path))
-    layout.problems.extend(probs)
     for t in layout.tensors.values():
         layout.problems.extend(coverage_problems(t))
     stages = _stages(args, arch.layers, pp, vpp)

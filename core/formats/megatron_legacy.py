@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import megatron as mg
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import attach_config, problem_for, read_config, stat_file
+from .common import problem_for, stat_file
 from .torchsave import TensorRef, read_torch_archive
 
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -195,19 +195,9 @@ def _read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     for t in mt.values():
         layout.problems.extend(coverage_problems(t))
     config_dir = Path(hf_config) if hf_config else _config_dir(p, d)
-    attach_config(layout, config_dir)
-    config = read_config(config_dir)
-    arch, probs = mg.arch_from(args, config, {n: t.shape for n, t in mt.items()}, str(path))
-    layout.problems.extend(probs)
+    arch = mg.cut_to_hf(layout, mt, args, config_dir)
     if arch is None:
         return layout
-    if config is None:
-        layout.derived_config = arch.hf_config()
-        for g in arch.guessed:
-            layout.problems.append(Problem("config-guessed", f"no Hugging Face config: {g}",
-                                           str(path), "warning"))
-    layout.tensors, probs = mg.to_hf(mt, arch, str(path))
-    layout.problems.extend(probs)
     stages = mg.pipeline_text(stage_layers, pp, vpp)
     layout.details = mg.describe(arch, layout.parallel, stages, where,
                                  "in every model_optim_rng.pt" if args else "none")
