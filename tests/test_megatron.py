@@ -438,3 +438,17 @@ def test_merge_deep_refuses_flipped_tensor_bytes(megatron_root, tmp_path):
     r = merge_cli(ck, tmp_path / "out", "--deep", "--hf-config", cfg)
     assert r.returncode == 3 and "model_optim_rng.pt" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_mistral_names(megatron_root, tmp_path):
+    """Mistral shares Llama's tensor names: a Llama-shaped Megatron checkpoint merged with a
+    Mistral config loads as MistralForCausalLM and computes Megatron's logits."""
+    cfg = _config(megatron_root, tmp_path, model_type="mistral",
+                  architectures=["MistralForCausalLM"], sliding_window=None)
+    merge(megatron_root / "llama" / "tp2_pp2" / "legacy", tmp_path / "out", hf_config=cfg)
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(tmp_path / "out").model_type == "mistral"
+    want = torch.load(megatron_root / "llama" / "reference" / "megatron_logits.pt")
+    got = logits(tmp_path / "out")
+    torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-5)
