@@ -58,6 +58,8 @@ class Family:
     qk_norm: bool = False
     experts: int = 0
     topk: int = 2
+    #: parameter dtype: "float32" or "bfloat16"
+    dtype: str = "float32"
 
 
 FAMILIES = {
@@ -69,6 +71,8 @@ FAMILIES = {
     "qwen3": Family("qwen3", "qwen3", qk_norm=True),
     # Mixtral-style experts (router + SwiGLU experts)
     "mixtral": Family("mixtral", "mixtral", experts=4),
+    # bf16 parameters: the merge must keep each tensor's dtype
+    "llama-bf16": Family("llama-bf16", "llama", dtype="bfloat16"),
 }
 
 #: layouts written per family: (tp, pp, vpp, ep, uneven)
@@ -78,6 +82,7 @@ LAYOUTS = {
     "qwen2": [(2, 1, 0, 1, False), (2, 2, 0, 1, False)],
     "qwen3": [(2, 2, 0, 1, False)],
     "mixtral": [(1, 1, 0, 2, False), (2, 1, 0, 2, False)],
+    "llama-bf16": [(2, 2, 0, 1, False)],
 }
 
 
@@ -101,7 +106,7 @@ def hf_config(f: Family):
               num_hidden_layers=f.layers, num_attention_heads=f.heads,
               num_key_value_heads=f.groups, max_position_embeddings=64, rms_norm_eps=1e-5,
               rope_theta=10000.0, tie_word_embeddings=f.tied, bos_token_id=1, eos_token_id=2,
-              torch_dtype="float32")
+              torch_dtype=f.dtype)
     kw["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                             "qwen3": "Qwen3ForCausalLM",
                             "mixtral": "MixtralForCausalLM"}[f.hf_type]]
@@ -132,7 +137,8 @@ def megatron_args(f: Family, tp: int, pp: int, vpp: int, ep: int,
         num_experts=f.experts or None, moe_router_topk=f.topk if f.experts else 2,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp or None, expert_model_parallel_size=ep,
-        world_size=tp * pp * ep, params_dtype=torch.float32, bf16=False, fp16=False,
+        world_size=tp * pp * ep, params_dtype=getattr(torch, f.dtype),
+        bf16=f.dtype == "bfloat16", fp16=False,
         iteration=ITERATION, tokenizer_type="HuggingFaceTokenizer",
         attention_backend=AttnBackend.auto,
         num_layers_in_first_pipeline_stage=1 if uneven else None,
@@ -245,8 +251,9 @@ def _config(f: Family, tp: int, pp: int, vpp: int, ep: int, uneven: bool):
         layernorm_epsilon=1e-5, add_bias_linear=False, add_qkv_bias=f.qkv_bias,
         qk_layernorm=f.qk_norm, use_cpu_initialization=True, perform_initialization=True,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp or None, pipeline_dtype=torch.float32,
-        params_dtype=torch.float32, bias_dropout_fusion=False, apply_rope_fusion=False,
+        virtual_pipeline_model_parallel_size=vpp or None, pipeline_dtype=getattr(torch, f.dtype),
+        params_dtype=getattr(torch, f.dtype), bf16=f.dtype == "bfloat16",
+        bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, **kw)
 

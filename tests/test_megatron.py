@@ -452,3 +452,19 @@ def test_mistral_names(megatron_root, tmp_path):
     want = torch.load(megatron_root / "llama" / "reference" / "megatron_logits.pt")
     got = logits(tmp_path / "out")
     torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
+def test_bf16_model_keeps_each_dtype(megatron_root, tmp_path, kind):
+    """megatron-core keeps RMSNorm weights in fp32 in a bf16 model: the merge keeps both
+    dtypes as stored (the reference has them too); --dtype bf16 casts the norms only."""
+    src = megatron_root / "llama-bf16" / "tp2_pp2" / kind
+    cfg = str(megatron_root / "llama-bf16" / "reference")
+    layout = detect(src, hf_config=cfg)
+    assert layout.dtypes == {"BF16": 30, "F32": 9}
+    assert layout.tensors["model.layers.0.input_layernorm.weight"].dtype == "F32"
+    merge(src, tmp_path / "cast", hf_config=cfg, dtype="bf16")
+    out, ref = load(tmp_path / "cast"), load(megatron_root / "llama-bf16" / "reference")
+    assert {t.dtype for t in out.values()} == {torch.bfloat16}
+    for k, v in ref.items():
+        assert torch.equal(out[k], v.to(torch.bfloat16)), k
