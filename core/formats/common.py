@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -79,3 +80,23 @@ def problem_for(err, path: str) -> Problem:
     else:
         code = "unreadable-file"
     return Problem(code, msg, path)
+
+
+def corrupt_is_bad(what: str, where=None):
+    """Decorator for a reader's ``read(path, ...)``: damaged records can hold anything, so any
+    exception other than :class:`BadCheckpointError` becomes one, ``corrupt <what> (<error>)``,
+    naming ``where(path)`` (default: ``path``)."""
+    from ..errors import BadCheckpointError
+
+    def wrap(read):
+        @functools.wraps(read)
+        def guarded(path, *args, **kwargs):
+            try:
+                return read(path, *args, **kwargs)
+            except BadCheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - see the docstring
+                raise BadCheckpointError(f"corrupt {what} ({type(e).__name__}: {e})",
+                                         str(where(path) if where else path)) from None
+        return guarded
+    return wrap

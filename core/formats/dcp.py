@@ -24,7 +24,7 @@ from pathlib import Path
 from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import attach_config, clean_key, stat_file
+from .common import attach_config, clean_key, corrupt_is_bad, stat_file
 from .torchsave import DType, Record, RestrictedUnpickler, read_torch_archive
 
 #: top-level entries of a training checkpoint that are not model weights
@@ -89,22 +89,15 @@ def model_keys(keys: list[str], planner_data: dict) -> dict[str, str]:
     return out
 
 
+def _metadata_file(path: str) -> Path:
+    return (find_dcp_dir(path) or Path(path)) / ".metadata"
+
+
+@corrupt_is_bad("DCP metadata", where=_metadata_file)
 def read(path: str) -> CheckpointLayout:
-    """Read a DCP folder's layout (see :func:`_read`); any unexpected content of the
-    ``.metadata`` records becomes :class:`BadCheckpointError` naming that file."""
-    try:
-        return _read(path)
-    except BadCheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - damaged records can hold anything
-        d = find_dcp_dir(path)
-        raise BadCheckpointError(f"corrupt DCP metadata ({type(e).__name__}: {e})",
-                                 str((d or Path(path)) / ".metadata")) from None
-
-
-def _read(path: str) -> CheckpointLayout:
     """Read a DCP folder's layout from ``.metadata`` alone (the chunks' byte locations inside
-    the ``.distcp`` files are located later, by the layout's ``resolve_piece``).
+    the ``.distcp`` files are located later, by the layout's ``resolve_piece``). Unexpected
+    content of the ``.metadata`` records becomes :class:`BadCheckpointError` naming that file.
 
     Problems: a ``.distcp`` that is missing (``missing-file``) or shorter than a chunk it holds
     (``truncated-file``); chunks that do not tile a tensor. Raises BadCheckpointError when

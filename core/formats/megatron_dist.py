@@ -19,7 +19,7 @@ from .. import megatron as mg
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Problem, coverage_problems
 from . import dcp
-from .common import problem_for
+from .common import corrupt_is_bad, problem_for
 from .megatron_legacy import iteration_dir
 from .torchsave import read_torch_archive
 
@@ -83,18 +83,8 @@ def _args(d: Path, layout: CheckpointLayout) -> dict:
     return mg.namespace(root.get("args")) if isinstance(root, dict) else {}
 
 
+@corrupt_is_bad("torch_dist checkpoint")
 def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
-    """See :func:`_read`; unexpected content of the records becomes BadCheckpointError."""
-    try:
-        return _read(path, hf_config)
-    except BadCheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - damaged records can hold anything
-        raise BadCheckpointError(f"corrupt torch_dist checkpoint ({type(e).__name__}: {e})",
-                                 path) from None
-
-
-def _read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     """Read a ``torch_dist`` checkpoint's layout from its DCP metadata and ``common.pt``, and
     cut it into Hugging Face tensors. Problems as for a DCP folder, plus
     ``parallel-mismatch`` (warning) when ``args`` disagree with the recorded chunks and

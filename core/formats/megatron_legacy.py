@@ -17,9 +17,10 @@ import re
 from pathlib import Path
 
 from .. import megatron as mg
+from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import problem_for, stat_file
+from .common import corrupt_is_bad, problem_for, stat_file
 from .torchsave import TensorRef, read_torch_archive
 
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -108,18 +109,8 @@ def _split_rule(rest: str, swiglu: bool) -> str:
     return "replicated"
 
 
+@corrupt_is_bad("Megatron checkpoint")
 def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
-    """See :func:`_read`; unexpected content of the pickles becomes BadCheckpointError."""
-    try:
-        return _read(path, hf_config)
-    except BadCheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - damaged records can hold anything
-        raise BadCheckpointError(f"corrupt Megatron checkpoint ({type(e).__name__}: {e})",
-                                 path) from None
-
-
-def _read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     """Read a legacy Megatron checkpoint's layout (pickles only, no tensor data except the
     small replicated tensors compared across ranks) and cut it into Hugging Face tensors.
 
@@ -336,7 +327,6 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
     etp = args.get("expert_tensor_parallel_size") or tp
     mt: dict[str, TensorInfo] = {}
     replicas: dict[str, list[Piece]] = {}
-    owners: dict[str, set] = {}
     local_shapes: dict[str, tuple] = {}
     for (t, s, e), (f, chunks) in sorted(files.items()):
         for v, sd in enumerate(chunks):
@@ -372,8 +362,6 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
                         "shape-mismatch", f"{name}: {list(shape)} here, "
                         f"{list(local_shapes[name])} on another rank", f))
                     continue
-                owners.setdefault(name.split(".decoder")[0] if "layers" not in name
-                                  else "layers", set()).add((s, t))
                 # replicas: a replicated tensor on every TP rank (and EP rank), or a dense
                 # weight's slice on every EP rank; the first copy is used, all are compared
                 primary = (t == 0 or rule != "replicated") and (expert or e == 0)
@@ -391,7 +379,7 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
     where = []
     for key, label in (("embedding.word_embeddings.weight", "embedding"),
                        ("output_layer.weight", "output layer")):
-        stages = sorted({s for s, _ in owners.get(key, ())})
+        stages = sorted({p.coord[0] for p in mt[key].pieces}) if key in mt else []
         if stages:
             where.append(f"{label} on stage {', '.join(map(str, stages))}")
     return mt, replicas, "; ".join(where) or "none found"
@@ -418,7 +406,7 @@ def _add(mt, name: str, rule: str, ref: TensorRef, f: str, t: int, tp: int, coor
     else:  # gated: this rank's [gate_r; up_r] -> rows of the global [gate; up]
         half = shape[0] // 2
         g = (shape[0] * tp,) + shape[1:]
-        step = half * stride[0] * _itemsize(ref.dtype)
+        step = half * stride[0] * ITEMSIZE[ref.dtype]
         pieces = [Piece(f, ref.byte_offset + k * step, ref.dtype, (half,) + shape[1:], stride,
                         (k * half * tp + t * half,) + zeros[1:], rank, coord) for k in (0, 1)]
     info = mt.get(name)
@@ -435,12 +423,6 @@ def _add(mt, name: str, rule: str, ref: TensorRef, f: str, t: int, tp: int, coor
 class _Mismatch(Exception):
     def __init__(self, problem: Problem):
         self.problem = problem
-
-
-def _itemsize(dtype: str) -> int:
-    from ..dtypes import ITEMSIZE
-
-    return ITEMSIZE[dtype]
 
 
 def _check_replicas(replicas: dict[str, list[Piece]], layout: CheckpointLayout) -> None:
