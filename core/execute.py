@@ -197,19 +197,14 @@ def _piece_tensor(p: Piece, src: _Sources):
 def assemble(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src: _Sources,
              flat: bool = False):
     """The full tensor (torch, ``dtype``) filled from its located ``pieces``; with ``flat``
-    the pieces are ranges of the flattened tensor."""
+    the pieces are ranges of the flattened tensor (:func:`assemble_bytes`, viewed as
+    ``dtype``)."""
     import torch
 
     from .dtypes import torch_dtype
 
-    full = torch.empty(shape, dtype=torch_dtype(dtype))
-    view = full.view(-1) if flat else full
-    for p in pieces:
-        if p.numel == 0:
-            continue
-        idx = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.shape))
-        view[idx].copy_(_piece_tensor(p, src))
-    return full
+    return torch.from_numpy(assemble_bytes(pieces, shape, dtype, src, flat)).view(
+        torch_dtype(dtype))
 
 
 def assemble_bytes(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src: _Sources,
