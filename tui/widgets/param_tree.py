@@ -70,13 +70,13 @@ class ParamTree(Tree[TensorInfo]):
 
     def rebuild(self) -> None:
         self.clear()
-        names = [n for n in sorted(self.tensors, key=lambda n: natural_key(
-                     ".".join(self._key(n)))) if not self.query
-                 or fuzzy_match(self.query, ".".join(self._key(n)))]
+        paths = {n: self._key(n) for n in self.tensors}
+        names = [n for n in sorted(paths, key=lambda n: natural_key(".".join(paths[n])))
+                 if not self.query or fuzzy_match(self.query, ".".join(paths[n]))]
         nested: dict = {}
         for n in names:
             node = nested
-            path = self._key(n)
+            path = paths[n]
             for part in path[:-1]:
                 node = node.setdefault(part, {})
             node[path[-1]] = self.tensors[n]
