@@ -69,30 +69,34 @@ def _cache_root() -> Path:
     return base / key
 
 
+def cached(root: Path, write, lock: str = "lock") -> Path:
+    """``root``, written once by ``write(tmp)`` into a temporary folder renamed into place
+    when complete; a file lock makes one process write while the others wait."""
+    import fcntl
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if not (root / "complete").exists():
+            tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            write(tmp)
+            (tmp / "complete").write_text("ok")
+            shutil.rmtree(root, ignore_errors=True)
+            os.rename(tmp, root)
+    return root
+
+
 @pytest.fixture(scope="session")
 def fixtures_root() -> Path:
     """Folder holding every variant's checkpoint (``<name>/``) and reference
     (``<name>.reference/``), written by real torch.distributed runs."""
-    import fcntl
 
-    root = _cache_root()
-    done = root / "complete"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer when tests run in several processes
-        if not done.exists():
-            _write_all(root)
-    return root
+    def write(tmp: Path) -> None:
+        for world, variants in VARIANTS.items():
+            write_checkpoints(tmp, world, variants)
 
-
-def _write_all(root: Path) -> None:
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    for world, variants in VARIANTS.items():
-        write_checkpoints(tmp, world, variants)
-    (tmp / "complete").write_text("ok")
-    shutil.rmtree(root, ignore_errors=True)
-    os.rename(tmp, root)
+    return cached(_cache_root(), write)
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +104,6 @@ def megatron_root() -> Path:
     """Folder holding ``<family>/`` for every family of :mod:`core.sample_megatron` (each
     with ``reference/`` and its layouts' ``torch_dist/`` and ``legacy/``), written by real
     megatron-core on gloo and cached like :func:`fixtures_root`."""
-    import fcntl
     from importlib.metadata import version
 
     import torch
@@ -111,19 +114,12 @@ def megatron_root() -> Path:
         [torch.__version__, version("megatron-core"),
          (ROOT / "core" / "sample_megatron.py").read_text(),
          (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
-    root = _cache_root().parent / f"megatron-{key}"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "complete").exists():
-            tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            for family in FAMILIES:
-                write_megatron(tmp / family, family)
-            (tmp / "complete").write_text("ok")
-            shutil.rmtree(root, ignore_errors=True)
-            os.rename(tmp, root)
-    return root
+
+    def write(tmp: Path) -> None:
+        for family in FAMILIES:
+            write_megatron(tmp / family, family)
+
+    return cached(_cache_root().parent / f"megatron-{key}", write)
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:

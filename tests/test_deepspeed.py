@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, _cache_root, copy_checkpoint
+from conftest import ROOT, _cache_root, cached, copy_checkpoint
 from core import MergeOptions, detect, plan_merge, run_merge
 
 pytest.importorskip("deepspeed")
@@ -29,28 +29,19 @@ DS = {
 
 @pytest.fixture(scope="session")
 def ds_root():
-    import fcntl
-    import shutil
-
-    from core.sample import write_deepspeed
-
     import hashlib
     import json
 
+    from core.sample import write_deepspeed
+
     key = hashlib.sha256(json.dumps(DS, sort_keys=True).encode()).hexdigest()[:8]
-    root = _cache_root().with_name(f"{_cache_root().name}-deepspeed-{key}")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / "lock-ds", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "complete").exists():
-            tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            for i, (name, (world, stage, dtype, tie)) in enumerate(DS.items()):
-                write_deepspeed(tmp, world, name, stage, dtype, tie, seed=40 + i)
-            (tmp / "complete").write_text("ok")
-            shutil.rmtree(root, ignore_errors=True)
-            os.rename(tmp, root)
-    return root
+
+    def write(tmp: Path) -> None:
+        for i, (name, (world, stage, dtype, tie)) in enumerate(DS.items()):
+            write_deepspeed(tmp, world, name, stage, dtype, tie, seed=40 + i)
+
+    return cached(_cache_root().with_name(f"{_cache_root().name}-deepspeed-{key}"), write,
+                  lock="lock-ds")
 
 
 def zero_to_fp32(ckpt: Path) -> dict[str, torch.Tensor]:
