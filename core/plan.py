@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dtypes import FLOATING, ITEMSIZE, USER_DTYPES
+from .dtypes import CASTABLE, ITEMSIZE, USER_DTYPES
 from .errors import BadCheckpointError, OutputExistsError, UsageError
 from .formats.common import config_files, read_config
 from . import lora as lora_mod
@@ -259,7 +259,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     tensors: dict[str, OutputTensor] = {}
     for out_name in sorted(mapping, key=natural_key):
         t = layout.tensors[mapping[out_name]]
-        dtype = target if target and t.dtype in FLOATING else t.dtype
+        dtype = target if target and t.dtype in CASTABLE else t.dtype
         ot = OutputTensor(out_name, t.shape, dtype, t, located(t))
         module = out_name.rsplit(".", 1)[0]
         if mode in ("fold", "both") and out_name.endswith(".weight") and module in lora_src:

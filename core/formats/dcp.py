@@ -187,8 +187,11 @@ def read(path: str) -> CheckpointLayout:
             sf.status = "unreadable"
             layout.problems.append(Problem("truncated-file", f"{rel} is {sf.bytes} bytes, "
                                            f".metadata needs {need}: truncated", fpath))
+    # every file a storage entry names belongs to the checkpoint, also those holding only
+    # skipped items (optimizer, train_state) as a one-file-per-item writer leaves them
+    named = {info.get("relative_path") for info in storage.values() if isinstance(info, Record)}
     for rel in sizes:
-        if rel not in files:
+        if rel not in files and rel not in named:
             layout.problems.append(Problem("extra-file", f"{rel} is not named by .metadata",
                                            str(d / rel), "warning"))
     ranks = {f.rank for f in layout.files if f.rank is not None}
