@@ -27,7 +27,8 @@ class MergeOptions:
     """What the user asked for.
 
     ``output``: the folder to write. ``dtype``: ``None`` keeps each tensor's dtype, else one of
-    ``bf16``/``fp16``/``fp32`` (floating-point tensors only). ``max_shard_size``: bytes or a
+    ``bf16``/``fp16``/``fp32`` (F64/F32/F16/BF16 tensors only, ``dtypes.CASTABLE``: float8,
+    integer and boolean tensors are written as stored). ``max_shard_size``: bytes or a
     string such as ``"5GB"`` (decimal units, as huggingface_hub). ``hf_config``: a folder whose
     config/tokenizer files are copied (never its weights). ``workers``: threads moving bytes.
     """

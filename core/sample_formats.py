@@ -16,6 +16,12 @@ Folders written under ``root``:
 - ``fp8-dcp/``: ``torch.distributed.checkpoint.save`` of the same (with a ``train_state``).
 - ``fp8-dcp-per-item/``: the same with ``FileSystemWriter(single_file_per_rank=False)``: one
   ``.distcp`` file per item.
+- ``accelerate/``: the folders accelerate's ``save_fsdp_model``/``save_fsdp_optimizer``
+  (accelerate/utils/fsdp_utils.py, sharded state dict, DCP) write for this model:
+  ``pytorch_model_fsdp_0/`` (``{"model": ...}``) and ``optimizer_0/`` (``{"optimizer": ...}``:
+  AdamW state after one step, from ``get_optimizer_state_dict``), each with torch's
+  ``FileSystemWriter`` as accelerate calls it (the model folder holds the weights after that
+  step: it is not compared with the reference).
 - ``fsdp1-local/``: FSDP1 ``LOCAL_STATE_DICT`` rank files (flat parameters), verl's names.
 - ``bin.reference/``, ``bin-single/`` (``pytorch_model.bin``), ``bin-sharded/`` (shards +
   ``pytorch_model.bin.index.json``), ``pt-single/model.pt`` (no config), ``bin-cuda/``
@@ -122,6 +128,25 @@ def _write_fp8(rank: int, world: int, root: Path) -> None:
     state["optimizer"] = {"step": torch.tensor(10.0), "exp_avg": torch.ones(3, 4)}
     dcp.save(state, storage_writer=FileSystemWriter(str(root / "fp8-dcp-per-item"),
                                                     single_file_per_rank=False))
+    _write_accelerate(model, sd, root / "accelerate")
+
+
+def _write_accelerate(model, sd, out: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(str(out / "pytorch_model_fsdp_0")),
+             planner=DefaultSavePlanner())
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
+             storage_writer=dcp.FileSystemWriter(str(out / "optimizer_0")),
+             planner=DefaultSavePlanner())
 
 
 def _write_fsdp1_local(rank: int, world: int, root: Path) -> None:

@@ -135,3 +135,22 @@ async def wait_for(pilot, cond, tries=100):
             return
         await pilot.pause(0.05)
     raise AssertionError("condition not reached")
+
+
+@pytest.fixture(scope="session")
+def formats_root() -> Path:
+    """Folder of :mod:`core.sample_formats`' checkpoints (float8 FSDP2/DCP, FSDP1
+    LOCAL_STATE_DICT, ``.bin`` folders and ``.pt`` files, each with its reference), written by
+    real torch.distributed/torch.save runs and cached like :func:`fixtures_root`."""
+    import torch
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, (ROOT / "core" / "sample_formats.py").read_text(),
+         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        from core.sample_formats import write_formats
+
+        write_formats(tmp)
+
+    return cached(_cache_root().parent / f"formats-{key}", write, lock="lock-formats")

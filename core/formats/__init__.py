@@ -54,6 +54,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
                 layout = mod.read(str(p))
             if mod.__name__.endswith(".dcp") and not layout.tensors:
                 _optimizer_folder(p)
+            _files_inside(layout, p)
             layout.problems.extend(config_problems(layout))
             layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
                                       layout.path)
@@ -68,6 +69,26 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
         "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors, "
         "pytorch_model.bin, a single .pt/.pth)",
         str(given))
+
+
+def _files_inside(layout: CheckpointLayout, root: Path) -> None:
+    """Every file the layout reads (rank files, shards, the files its pieces point into) must
+    resolve inside the checkpoint folder ``root``: a symbolic link elsewhere is refused
+    (``path-outside-checkpoint``), see :func:`.common.contained`. A Megatron rank folder
+    (``mp_rank_*``) opened directly belongs to its iteration folder."""
+    from .megatron_legacy import RANK_DIR_RE
+
+    if RANK_DIR_RE.match(root.name):
+        root = root.parent
+    files = {f.path for f in layout.files}
+    for t in layout.tensors.values():
+        files.update(pc.file for pc in t.pieces)
+    for f in sorted(files):
+        try:
+            rel = os.path.relpath(f, root)
+        except ValueError:
+            rel = f
+        contained(root, rel, "a file of the checkpoint (symbolic link)", f)
 
 
 VERL_STEP_RE = re.compile(r"^global_step_(\d+)$")
@@ -130,10 +151,12 @@ def _optimizer_folder(p: Path) -> None:
                 siblings.append(c.name + "/")
     except OSError:
         pass
-    hint = (f"; the model is beside it: {', '.join(siblings[:4])}" if siblings
-            else "; the model weights are saved in another folder")
-    raise BadCheckpointError(f"optimizer state ({', '.join(sorted(tops))}), not model weights"
-                             f"{hint}", str(d), code="optimizer-state")
+    hint = (f"; the model is beside it: {', '.join('../' + s for s in siblings[:4])}"
+            if siblings else "; the model weights are saved in another folder")
+    raise BadCheckpointError(f"optimizer state (every entry is under "
+                             f"{', '.join(repr(t) for t in sorted(tops))}, as in accelerate's "
+                             f"optimizer_0/), not model weights{hint}", str(d),
+                             code="optimizer-state")
 
 
 def _checkpoints_inside(p: Path, depth: int = 2, limit: int = 8) -> list[str]:

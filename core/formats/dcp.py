@@ -24,7 +24,7 @@ from pathlib import Path
 from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import attach_config, clean_key, corrupt_is_bad, stat_file
+from .common import attach_config, clean_key, contained, corrupt_is_bad, stat_file
 from .torchsave import DType, Record, RestrictedUnpickler, read_torch_archive
 
 #: top-level entries of a training checkpoint that are not model weights
@@ -155,7 +155,10 @@ def read(path: str) -> CheckpointLayout:
                                                f"the chunk at {offsets}", str(meta_path)))
                 continue
             rel = info.get("relative_path")
-            fpath = str(d / rel)
+            if not isinstance(rel, str):
+                raise BadCheckpointError(f"{name}: storage entry without a relative_path",
+                                         str(meta_path))
+            fpath = str(contained(d, rel, f"the storage entry of {name}", meta_path))
             rank = _rank_of(rel)
             start, length = int(info.get("offset")), int(info.get("length"))
             files[rel] = max(files.get(rel, 0), start + length)

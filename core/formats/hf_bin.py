@@ -34,10 +34,14 @@ SINGLE_SUFFIXES = (".pt", ".pth", ".bin")
 NESTED_KEYS = ("state_dict", "model", "module", "model_state_dict")
 
 
+#: single files that are not model weights (Hugging Face Trainer's and others' side files)
+NOT_WEIGHTS = ("optimizer", "scheduler", "rng_state", "training_args", "extra_state", "optim")
+
+
 def _single_files(p: Path) -> list[Path]:
     try:
         return sorted(c for c in p.iterdir() if c.suffix in (".pt", ".pth")
-                      and not c.name.startswith(".") and c.is_file())
+                      and not c.name.startswith((".", *NOT_WEIGHTS)) and c.is_file())
     except OSError:
         return []
 
@@ -146,7 +150,8 @@ def read(path: str) -> CheckpointLayout:
     if skipped:
         layout.notes.append(f"{skipped} non-tensor entries skipped")
     locs = {os.path.basename(f.path) for f in layout.files}
-    layout.notes.append(f"torch.save state dict ({', '.join(sorted(locs)[:3])}"
-                        f"{' ...' if len(locs) > 3 else ''}) read without torch.load")
+    if layout.tensors:
+        layout.notes.append(f"torch.save state dict ({', '.join(sorted(locs)[:3])}"
+                            f"{' ...' if len(locs) > 3 else ''}) read without torch.load")
     attach_config(layout, root)
     return layout

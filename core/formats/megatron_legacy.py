@@ -20,7 +20,7 @@ from .. import megatron as mg
 from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import corrupt_is_bad, problem_for, stat_file
+from .common import contained, corrupt_is_bad, problem_for, stat_file
 from .torchsave import TensorRef, read_torch_archive
 
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -43,7 +43,8 @@ def iteration_dir(path: Path) -> Path | None:
         tracker = path / "latest_checkpointed_iteration.txt"
         if tracker.is_file():
             text = tracker.read_text().strip()
-            d = path / ("release" if text == "release" else f"iter_{int(text):07d}")
+            d = contained(path, "release" if text == "release" else f"iter_{int(text):07d}",
+                          "latest_checkpointed_iteration.txt", tracker)
             if not d.is_dir():
                 raise BadCheckpointError(f"names iteration {text}, whose folder {d.name} is "
                                          "missing", str(tracker))
