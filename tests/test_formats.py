@@ -16,6 +16,11 @@ import torch
 from conftest import copy_checkpoint
 from core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 from test_cli import run
+
+try:  # the DeepSpeed fixtures, for `latest` (that module skips itself without deepspeed)
+    from test_deepspeed import ds_root  # noqa: F401
+except (ImportError, pytest.skip.Exception):
+    ds_root = None
 from test_merge_exact import assert_bit_equal, load
 
 FP8_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "U16", "U32"}
@@ -251,3 +256,35 @@ def test_hub_cache_snapshot_links_into_its_blobs_are_fine(fixtures_root, tmp_pat
             os.symlink(f"../../blobs/h-{f.name}", snap / f.name)
     merge(fixtures_root / "w2-dcp", tmp_path / "out", hf_config=str(snap))
     assert_bit_equal(load(tmp_path / "out"), load(src))
+
+
+@pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
+def test_megatron_iteration_linked_outside(megatron_root, tmp_path, kind):
+    pytest.importorskip("megatron.core")
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / kind, tmp_path / "ck")
+    it = (ck / "latest_checkpointed_iteration.txt").read_text().strip()
+    name = f"iter_{int(it):07d}"
+    shutil.move(ck / name, tmp_path / name)
+    os.symlink(tmp_path / name, ck / name)
+    err = _refused_outside(ck, what="latest_checkpointed_iteration.txt")
+    assert err.path.endswith("latest_checkpointed_iteration.txt")
+
+
+def test_megatron_tracker_with_a_parent_path(megatron_root, tmp_path):
+    pytest.importorskip("megatron.core")
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
+    shutil.copytree(ck / "iter_0000010", tmp_path / "iter_0000010")
+    (ck / "latest_checkpointed_iteration.txt").write_text("../iter_0000010")
+    with pytest.raises(BadCheckpointError) as e:
+        detect(ck)
+    assert e.value.path.endswith("latest_checkpointed_iteration.txt")
+
+
+@pytest.mark.skipif(ds_root is None, reason="needs deepspeed")
+def test_deepspeed_latest_outside_the_folder(ds_root, tmp_path):  # noqa: F811
+    ck = copy_checkpoint(ds_root / "ds-z2-w2", tmp_path / "ck")
+    tag = (ck / "latest").read_text().strip()
+    shutil.move(ck / tag, tmp_path / "other")
+    (ck / "latest").write_text("../other")
+    err = _refused_outside(ck, what="latest")
+    assert err.path.endswith("latest")
