@@ -38,7 +38,7 @@ def _archives(layout: CheckpointLayout) -> list[tuple[str, int, int]]:
         for p in t.pieces:
             if p.archive is not None:
                 seen[(p.file, p.archive[0], p.archive[1])] = None
-            elif layout.format in ("fsdp", "megatron-legacy"):
+            elif layout.format in ("fsdp", "megatron-legacy", "hf-bin"):
                 seen[(p.file, 0, -1)] = None
     return list(seen)
 

@@ -288,3 +288,17 @@ def test_deepspeed_latest_outside_the_folder(ds_root, tmp_path):  # noqa: F811
     (ck / "latest").write_text("../other")
     err = _refused_outside(ck, what="latest")
     assert err.path.endswith("latest")
+
+
+def test_deep_check_of_a_bin_file_finds_a_flipped_byte(formats_root, tmp_path):
+    d = copy_checkpoint(formats_root / "bin-single", tmp_path / "c")
+    layout = detect(d)
+    p = layout.tensors["model.norm.weight"].pieces[0]
+    with open(p.file, "r+b") as f:
+        f.seek(p.byte_offset + 5)
+        b = f.read(1)
+        f.seek(p.byte_offset + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    r = run("merge", str(d), "-o", str(tmp_path / "out"), "--deep")
+    assert r.returncode == 3 and "pytorch_model.bin" in r.stderr
+    assert not (tmp_path / "out").exists()
