@@ -41,7 +41,7 @@ TORCH_DTYPE_NAMES: dict[str, str] = {
 UNSUPPORTED_TORCH_DTYPES = frozenset({
     "float8_e8m0fnu", "float4_e2m1fn_x2", "complex32", "chalf", "complex128", "cdouble",
     "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2", "qint8", "qint32", "quint8",
-    "quint4x2", "quint2x4",
+    "quint4x2", "quint2x4", *(f"int{i}" for i in range(1, 8)), *(f"uint{i}" for i in range(1, 8)),
 })
 
 #: ``torch.<Name>Storage`` class in a ``torch.save`` pickle -> safetensors name

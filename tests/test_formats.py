@@ -83,6 +83,17 @@ def test_dtype_without_a_safetensors_name_is_refused_by_name(tmp_path):
         assert word in msg and "safetensors" in msg and "could run code" not in msg
 
 
+def test_dcp_tensor_of_a_dtype_without_a_safetensors_name(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(3, dtype=torch.complex128), "v": torch.ones(2)},
+             checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    layout = detect(tmp_path / "d")
+    assert [(p.code, "complex128" in p.message) for p in layout.errors] == [
+        ("unsupported-dtype", True)]
+    assert list(layout.tensors) == ["v"]
+
+
 # --- .bin folders and .pt files ------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["bin-single", "bin-sharded", "bin-cuda", "pt-single",
@@ -302,3 +313,12 @@ def test_deep_check_of_a_bin_file_finds_a_flipped_byte(formats_root, tmp_path):
     r = run("merge", str(d), "-o", str(tmp_path / "out"), "--deep")
     assert r.returncode == 3 and "pytorch_model.bin" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_one_shard_given_alone_reads_the_folder_or_refuses(formats_root, tmp_path):
+    shard = formats_root / "bin-sharded" / "pytorch_model-00002-of-00004.bin"
+    assert len(detect(shard).tensors) == 27  # the folder with its index, not one shard
+    lone = tmp_path / "pytorch_model-00002-of-00004.bin"
+    shutil.copy(shard, lone)
+    with pytest.raises(BadCheckpointError, match="one shard of 4"):
+        detect(lone)

@@ -48,7 +48,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
                 layout = mod.read(str(p), weights=deepspeed_weights)
             elif mod.__name__.endswith((".megatron_dist", ".megatron_legacy")):
                 layout = mod.read(str(p), hf_config=hf_config)
-            elif mod.__name__.endswith(".hf_bin") and given.is_file():
+            elif mod.__name__.endswith(".hf_bin") and given.is_file() and not mod.is_folder(p):
                 layout = mod.read(str(given))  # the single state-dict file asked for
             else:
                 layout = mod.read(str(p))

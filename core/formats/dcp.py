@@ -139,6 +139,11 @@ def read(path: str) -> CheckpointLayout:
             st = props.state
             dt = st[0] if isinstance(st, tuple) else props.get("dtype")
             dtype = dt.name if isinstance(dt, DType) else dtype
+        if dtype not in ITEMSIZE:  # e.g. torch.complex128: no safetensors name
+            layout.problems.append(Problem(
+                "unsupported-dtype", f"{name}: torch.{dtype.split(':')[-1]}, a dtype "
+                "safetensors cannot hold (unsupported)", str(meta_path)))
+            continue
         t = TensorInfo(name, tuple(tm.get("size")), dtype,
                        "DCP chunks" if len(tm.get("chunks") or ()) > 1 else "DCP")
         for ch in tm.get("chunks") or ():

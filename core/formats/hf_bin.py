@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from ..errors import BadCheckpointError
@@ -30,6 +31,8 @@ WEIGHTS = "pytorch_model.bin"
 INDEX = "pytorch_model.bin.index.json"
 #: suffixes of a single-file state dict
 SINGLE_SUFFIXES = (".pt", ".pth", ".bin")
+#: a shard of a sharded save, ``<name>-0000i-of-0000N.<ext>``
+SHARD_RE = re.compile(r"^.*-(\d+)-of-(\d+)\.[A-Za-z]+$")
 #: keys a training script nests the model's state dict under
 NESTED_KEYS = ("state_dict", "model", "module", "model_state_dict")
 
@@ -44,6 +47,12 @@ def _single_files(p: Path) -> list[Path]:
                       and not c.name.startswith((".", *NOT_WEIGHTS)) and c.is_file())
     except OSError:
         return []
+
+
+def is_folder(p: Path) -> bool:
+    """True when ``p`` holds ``pytorch_model.bin`` or its index: a file inside it is read
+    with the whole folder, never alone."""
+    return (p / WEIGHTS).is_file() or (p / INDEX).is_file()
 
 
 def sniff(path: str) -> bool:
@@ -82,6 +91,10 @@ def read(path: str) -> CheckpointLayout:
     weight_map = None
     if given.is_file():
         shards = [given.name]
+        m = SHARD_RE.match(given.name)
+        if m and int(m[2]) > 1:
+            raise BadCheckpointError(f"one shard of {int(m[2])}, without an index beside it: "
+                                     f"the other shards' tensors would be missing", str(given))
     elif (root / INDEX).is_file():
         try:
             weight_map = json.loads((root / INDEX).read_text())["weight_map"]
