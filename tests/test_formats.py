@@ -165,6 +165,7 @@ def test_inspect_json_on_a_refusal_is_a_document(tmp_path):
     r = run("inspect", str(tmp_path), "--json")
     doc = json.loads(r.stdout)
     assert r.returncode == 3 and doc["refused"] and doc["problems"][0]["severity"] == "error"
+    assert doc["problems"][0]["code"] == "not-a-checkpoint"
     assert "not a checkpoint" in doc["problems"][0]["message"]
 
 

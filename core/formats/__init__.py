@@ -62,13 +62,13 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
     inside = _checkpoints_inside(p)
     if inside:
         raise BadCheckpointError("not a checkpoint itself; these folders inside it are: "
-                                 + ", ".join(inside), str(given))
+                                 + ", ".join(inside), str(given), code="wrong-folder")
     raise BadCheckpointError(
         "not a checkpoint shardscope knows (looked for .metadata, latest_checkpointed_iteration"
         ".txt, mp_rank_*/, model_world_size_*_rank_*.pt, "
         "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors, "
         "pytorch_model.bin, a single .pt/.pth)",
-        str(given))
+        str(given), code="not-a-checkpoint")
 
 
 def _files_inside(layout: CheckpointLayout, root: Path) -> None:
