@@ -123,6 +123,7 @@ def read(path: str) -> CheckpointLayout:
         if isinstance(idx, Record):
             where[(idx.get("fqn"), tuple(idx.get("offset") or ()))] = info
     files: dict[str, int] = {}
+    inside: dict[str, str] = {}
     ranges: dict[str, list[tuple[int, int, str]]] = {}
     sizes: dict[str, int | None] = {}
     try:
@@ -163,7 +164,10 @@ def read(path: str) -> CheckpointLayout:
             if not isinstance(rel, str):
                 raise BadCheckpointError(f"{name}: storage entry without a relative_path",
                                          str(meta_path))
-            fpath = str(contained(d, rel, f"the storage entry of {name}", meta_path))
+            fpath = inside.get(rel)
+            if fpath is None:  # once per file: a big checkpoint has thousands of chunks
+                fpath = inside[rel] = str(contained(d, rel, f"the storage entry of {name}",
+                                                    meta_path))
             rank = _rank_of(rel)
             start, length = int(info.get("offset")), int(info.get("length"))
             files[rel] = max(files.get(rel, 0), start + length)
