@@ -120,13 +120,16 @@ def stat_file(path: str, rank: int | None = None) -> SourceFile:
 
 def problem_for(err, path: str) -> Problem:
     """A :class:`Problem` for a reader error on ``path``: ``truncated-file`` when the file is
-    shorter than its contents say, ``unsafe-pickle`` for a forbidden global, else
+    shorter than its contents say, ``unsafe-pickle`` for a forbidden global,
+    ``unsupported-dtype`` for a tensor of a dtype safetensors cannot hold, else
     ``unreadable-file``."""
     from ..errors import UnsafeCheckpointError
 
     msg = getattr(err, "message", str(err))
     if isinstance(err, UnsafeCheckpointError):
         code = "unsafe-pickle"
+    elif getattr(err, "code", None) == "unsupported-dtype":
+        code = "unsupported-dtype"
     elif "truncated" in msg:
         code = "truncated-file"
     else:

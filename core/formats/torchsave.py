@@ -148,8 +148,9 @@ _RECORD_GLOBALS = frozenset({
 
 #: typed storage classes of dtypes with no safetensors name (torch/storage.py
 #: ``_dtype_to_storage_type_map``)
-UNSUPPORTED_STORAGES = frozenset({"ComplexDoubleStorage", "QInt8Storage", "QInt32Storage",
-                                  "QUInt8Storage", "QUInt4x2Storage", "QUInt2x4Storage"})
+UNSUPPORTED_STORAGES = {"ComplexDoubleStorage": "complex128", "QInt8Storage": "qint8",
+                        "QInt32Storage": "qint32", "QUInt8Storage": "quint8",
+                        "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4"}
 
 
 class StateDict(dict):
@@ -186,7 +187,8 @@ def _rebuild_tensor_v3(storage, storage_offset, size, stride, _requires_grad, _h
         raise BadCheckpointError(f"_rebuild_tensor_v3 with dtype {dtype!r}")
     if dtype.name.startswith(UNSUPPORTED_PREFIX):
         raise BadCheckpointError(f"holds a torch.{dtype.name[len(UNSUPPORTED_PREFIX):]} tensor, "
-                                 "a dtype safetensors cannot hold (unsupported)")
+                                 "a dtype safetensors cannot hold (unsupported)",
+                                 code="unsupported-dtype")
     return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), dtype.name)
 
 
@@ -265,8 +267,9 @@ class RestrictedUnpickler(pickle.Unpickler):
         if module == "torch" and name in UNSUPPORTED_TORCH_DTYPES:
             return DType(UNSUPPORTED_PREFIX + name)
         if module == "torch" and name in UNSUPPORTED_STORAGES:
-            raise BadCheckpointError(f"holds a torch.{name}, a dtype safetensors cannot hold "
-                                     "(unsupported)", self.path)
+            raise BadCheckpointError(f"holds a torch.{UNSUPPORTED_STORAGES[name]} tensor, a "
+                                     "dtype safetensors cannot hold (unsupported)", self.path,
+                                     code="unsupported-dtype")
         if module == "torch" and name in ("contiguous_format", "preserve_format",
                                           "channels_last", "strided"):
             return name
