@@ -322,3 +322,13 @@ def test_one_shard_given_alone_reads_the_folder_or_refuses(formats_root, tmp_pat
     shutil.copy(shard, lone)
     with pytest.raises(BadCheckpointError, match="one shard of 4"):
         detect(lone)
+
+
+def test_safetensors_file_of_float8_e8m0_is_refused_as_unsupported(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"scale": torch.zeros(4, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+               "w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    layout = detect(tmp_path)
+    assert [p.code for p in layout.errors] == ["unsupported-dtype"]
+    assert "F8_E8M0" in layout.errors[0].message
