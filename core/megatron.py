@@ -243,8 +243,10 @@ def _fit_problems(a: Arch, cfg: dict, shapes: dict, layer_ids: set, path: str) -
         "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")
     if fc1 and a.swiglu and a.ffn != fc1[0] // 2:
         out.append(f"MLP width {a.ffn} described, linear_fc1 holds {fc1[0] // 2} (x2 rows)")
-    experts = {int(m[1]) for n in shapes if (m := LAYER_RE.match(n))
-               and EXPERT_RE.match(m[2])}
+    # the expert index of ``decoder.layers.{i}.mlp.experts.local_experts.{e}.*`` (not the
+    # layer index i: a model's layer count and expert count differ, Mixtral-8x7B: 32 and 8)
+    experts = {int(x[1]) for n in shapes if (m := LAYER_RE.match(n))
+               and (x := EXPERT_RE.match(m[2]))}
     found = max(experts) + 1 if experts else 0
     if found != (a.experts or 0):
         out.append(f"{a.experts or 0} experts described, the checkpoint holds {found}")
