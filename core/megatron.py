@@ -56,6 +56,21 @@ def namespace(obj: Any) -> dict[str, Any]:
     return dict(state) if isinstance(state, dict) else {}
 
 
+def data_parallel(args: dict[str, Any], tp: int, pp: int) -> int:
+    """The data-parallel size of the run that wrote the checkpoint, from Megatron's ``args``:
+    ``data_parallel_size`` when recorded, else ``world_size / (TP x PP x CP)``
+    (``megatron/training/arguments.py``, ``validate_args``; expert parallelism is carved out
+    of data parallelism, so it does not divide). 1 when ``args`` say neither."""
+    dp = args.get("data_parallel_size")
+    if isinstance(dp, int) and not isinstance(dp, bool) and dp > 0:
+        return dp
+    world, cp = args.get("world_size"), args.get("context_parallel_size") or 1
+    if isinstance(world, int) and isinstance(cp, int) and world > 0 and cp > 0 and \
+            world % (tp * pp * cp) == 0:
+        return world // (tp * pp * cp)
+    return 1
+
+
 @dataclass
 class Arch:
     """What the cut needs to know of the model. Sizes in elements/rows; ``vocab`` is the true

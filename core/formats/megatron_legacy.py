@@ -158,8 +158,12 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
             layout.problems.append(Problem(
                 "args-disagree", f"args say {diff[0]}={these.get(diff[0])!r} here, "
                 f"{args.get(diff[0])!r} in {Path(args_file).parent.name}", str(f)))
-    if not contents:
-        raise BadCheckpointError("no readable mp_rank_* model file", str(d))
+    if not contents:  # the reader's own reason (e.g. the legacy non-zip torch.save format)
+        first = next((pr for pr in layout.problems if pr.severity == "error"), None)
+        if first is None:
+            raise BadCheckpointError("no readable mp_rank_* model file", str(d))
+        raise BadCheckpointError(f"no readable mp_rank_* model file: {first.message}",
+                                 first.path or str(d))
     grid = _grid(dirs, contents, args, d, layout)
     if grid is None:
         return layout
@@ -167,7 +171,9 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     _check_consistency(files, pp, vpp, layout)
     if layout.errors:
         return layout
-    layout.parallel = {k: v for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v > 1}
+    dp = mg.data_parallel(args, tp, pp)
+    layout.parallel = {k: v for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep))
+                       if v > 1}
     if vpp > 1:
         layout.parallel["vpp"] = vpp
     layout.world_size = tp * pp * ep
