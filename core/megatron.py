@@ -457,8 +457,9 @@ def pipeline_text(stage_layers: dict[tuple[int, int], list[int]], pp: int, vpp: 
 
 
 def describe(arch: Arch, par: dict[str, int], stages: str, embed_ranks: str,
-             args_source: str) -> dict[str, str]:
-    """The details an inspector shows for a Megatron checkpoint (label -> text)."""
+             args_source: str, grouped_gemm: bool = False) -> dict[str, str]:
+    """The details an inspector shows for a Megatron checkpoint (label -> text);
+    ``grouped_gemm``: the experts were trained with ``--moe-grouped-gemm``."""
     a = arch
     att = f"{a.heads} heads, {a.groups} query groups"
     att += " (GQA)" if a.groups < a.heads else ""
@@ -469,6 +470,8 @@ def describe(arch: Arch, par: dict[str, int], stages: str, embed_ranks: str,
         mlp += f"; {a.experts} experts, top-{a.topk}"
         if par.get("ep", 1) > 1:
             mlp += f", {a.experts // par['ep']} per EP rank"
+        if grouped_gemm:
+            mlp += ", grouped GEMM"
     vocab = str(a.vocab) + (f" (padded to {a.padded_vocab} rows in the checkpoint)"
                             if a.padded_vocab != a.vocab else "")
     return {

@@ -86,6 +86,7 @@ def test_grouped_gemm_experts_are_strided_pieces(megatron_moe_root):
     lay = detect(megatron_moe_root / "gg-l2e4-bf16" / "tp2_pp1_ep2" / "legacy")
     assert not lay.errors, lay.errors
     assert lay.parallel == {"dp": 2, "tp": 2, "ep": 2}
+    assert lay.details["MLP"].endswith("2 per EP rank, grouped GEMM")
     w1 = lay.tensors["model.layers.1.block_sparse_moe.experts.3.w1.weight"]
     assert w1.source == "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
     assert w1.shape == (96, 64) and "grouped GEMM weight1" in w1.placement
@@ -96,6 +97,17 @@ def test_grouped_gemm_experts_are_strided_pieces(megatron_moe_root):
     assert w2.shape == (64, 96) and not any(p.contiguous for p in w2.pieces)
     assert {Path(p.file).parent.name for p in w2.pieces} == {"mp_rank_00_000",
                                                              "mp_rank_01_000"}
+
+
+def test_grouped_gemm_cast_to_fp32(megatron_moe_root, tmp_path):
+    """``--dtype fp32`` on bf16 grouped-GEMM experts: the strided pieces are cast exactly."""
+    ref = megatron_moe_root / "gg-l2e4-bf16" / "reference"
+    merge(megatron_moe_root / "gg-l2e4-bf16" / "tp2_pp1_ep2" / "legacy", tmp_path / "out",
+          hf_config=str(ref), dtype="fp32")
+    got, want = load(tmp_path / "out"), load(ref)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], v.float()), k
 
 
 def _rewrite(f: Path, change) -> None:

@@ -142,7 +142,8 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
                           + ", ".join(map(str, ranks)))
     layout.details = mg.describe(
         arch, layout.parallel, stages, "; ".join(owners) or "none found",
-        "common.pt" if args else "none (sizes from the Hugging Face config and shapes)")
+        "common.pt" if args else "none (sizes from the Hugging Face config and shapes)",
+        bool(args.get("moe_grouped_gemm")))
     return layout
 
 

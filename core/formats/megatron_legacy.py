@@ -196,8 +196,10 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     if arch is None:
         return layout
     stages = mg.pipeline_text(stage_layers, pp, vpp)
+    grouped = bool(args.get("moe_grouped_gemm")) or any(
+        "grouped GEMM" in t.placement for t in mt.values())
     layout.details = mg.describe(arch, layout.parallel, stages, where,
-                                 "in every model_optim_rng.pt" if args else "none")
+                                 "in every model_optim_rng.pt" if args else "none", grouped)
     return layout
 
 
