@@ -258,6 +258,10 @@ def _fit_problems(a: Arch, cfg: dict, shapes: dict, layer_ids: set, path: str) -
         "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")
     if fc1 and a.swiglu and a.ffn != fc1[0] // 2:
         out.append(f"MLP width {a.ffn} described, linear_fc1 holds {fc1[0] // 2} (x2 rows)")
+    fc2 = shapes.get("decoder.layers.0.mlp.linear_fc2.weight") or shapes.get(
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight")
+    if fc2 and len(fc2) == 2 and a.ffn != fc2[1]:
+        out.append(f"MLP width {a.ffn} described, linear_fc2 holds {fc2[1]} columns")
     # the expert index of ``decoder.layers.{i}.mlp.experts.local_experts.{e}.*`` (not the
     # layer index i: a model's layer count and expert count differ, Mixtral-8x7B: 32 and 8)
     experts = {int(x[1]) for n in shapes if (m := LAYER_RE.match(n))

@@ -128,6 +128,19 @@ def test_grouped_gemm_with_experts_that_do_not_divide_is_refused_by_name(megatro
     assert "does not divide by EP=2" in errs[0].message
 
 
+def test_grouped_gemm_weight2_narrower_than_weight1_is_refused(megatron_moe_root, tmp_path):
+    """weight1 and weight2 must describe the same expert width: a narrower weight2 (each
+    expert's fc2 with fewer columns) is a config-mismatch, not a merge that cannot load."""
+    ck = copy_checkpoint(megatron_moe_root / "gg-l3e2" / "tp1_pp1_ep2" / "legacy",
+                         tmp_path / "ck")
+    for f in (ck / "iter_0000010").glob("*/model_optim_rng.pt"):
+        _rewrite(f, lambda s: [s["model"].__setitem__(k, s["model"][k][:-2].clone())
+                               for k in list(s["model"]) if k.endswith("experts.weight2")])
+    lay = detect(ck, hf_config=str(megatron_moe_root / "gg-l3e2" / "reference"))
+    assert any(p.code == "config-mismatch" and "linear_fc2 holds 38 columns" in p.message
+               for p in lay.errors), lay.errors
+
+
 def test_grouped_gemm_expert_copy_that_differs_is_not_a_replica(megatron_moe_root, tmp_path):
     """EP ranks hold different experts in weight1: no replica check between them, but a
     changed byte still shows in the merge (compared with the reference)."""
