@@ -191,6 +191,10 @@ def test_legacy_non_zip_torch_save_merges(megatron_moe_root, tmp_path):
     assert not lay.errors, lay.errors
     merge(ck, tmp_path / "out", hf_config=str(ref))
     assert_bit_equal(load(tmp_path / "out"), load(ref))
+    from core.deep import deep_check
+
+    deep = deep_check(lay)  # no CRC-32 in this format: said, not "not a zip archive"
+    assert {(p.code, p.severity) for p in deep} == {("no-checksum", "warning")}, deep
 
 
 def test_unreadable_rank_files_give_the_readers_reason(megatron_moe_root, tmp_path):
