@@ -27,10 +27,10 @@ from .sample_megatron import Family
 #: MoE families whose layer count differs from the expert count: (family, grouped GEMM,
 #: layouts (tp, pp, vpp, ep, uneven))
 MOE_SETS: dict[str, tuple[Family, bool, list[tuple]]] = {
-    # 2 layers, 4 experts: EP 1, 2 and 4, TP2 x EP2
+    # 2 layers, 4 experts: EP 1, 2 and 4, TP2 x EP2, PP2 x EP2
     "moe-l2e4": (Family("moe-l2e4", "mixtral", layers=2, experts=4, hidden=64, ffn=80),
                  False, [(1, 1, 0, 1, False), (1, 1, 0, 2, False), (1, 1, 0, 4, False),
-                         (2, 1, 0, 2, False)]),
+                         (2, 1, 0, 2, False), (1, 2, 0, 2, False)]),
     # 3 layers, 2 experts: EP 2, TP2 (experts split by TP)
     "moe-l3e2": (Family("moe-l3e2", "mixtral", layers=3, experts=2, hidden=48, heads=4,
                         groups=2, ffn=72),
@@ -38,7 +38,8 @@ MOE_SETS: dict[str, tuple[Family, bool, list[tuple]]] = {
     # grouped GEMM, bf16 (as trained with --moe-grouped-gemm): 2 layers, 4 experts
     "gg-l2e4-bf16": (Family("gg-l2e4-bf16", "mixtral", layers=2, experts=4, hidden=64, ffn=96,
                             dtype="bfloat16"),
-                     True, [(1, 1, 0, 2, False), (1, 1, 0, 4, False), (2, 1, 0, 2, False)]),
+                     True, [(1, 1, 0, 2, False), (1, 1, 0, 4, False), (2, 1, 0, 2, False),
+                            (1, 2, 0, 2, False)]),
     # grouped GEMM, fp32: 3 layers, 2 experts, EP 1 and 2
     "gg-l3e2": (Family("gg-l3e2", "mixtral", layers=3, experts=2, hidden=48, ffn=40),
                 True, [(1, 1, 0, 1, False), (1, 1, 0, 2, False)]),

@@ -1,5 +1,5 @@
 """Megatron-LM MoE checkpoints whose layer count differs from their expert count (2 layers and 4
-experts, 3 layers and 2 experts; EP 1, 2, 4, TP2 x EP2), with and without grouped GEMM
+experts, 3 layers and 2 experts; EP 1, 2, 4, TP2 x EP2, PP2 x EP2), with and without grouped GEMM
 (megatron-core's ``GroupedMLP``: experts stacked as ``weight1``/``weight2``), written by real
 megatron-core on gloo: every merge is bit-identical with the Hugging Face reference, in both
 the ``torch_dist`` and the legacy format, and the merged model computes Megatron's logits."""
