@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -302,6 +302,12 @@ class _Writer:
                 out_bytes = p.numel * ITEMSIZE[t.dtype]
                 if p.dtype == t.dtype and p.contiguous:
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
+                elif p.dtype == t.dtype:
+                    # strided (a transposed block, e.g. a Megatron grouped-GEMM expert): the
+                    # same bit patterns gathered by numpy, no torch import
+                    part = assemble_bytes([replace(p, global_offsets=(0,) * len(p.shape))],
+                                          p.shape, p.dtype, self.src)
+                    _pwrite_all(dst, part.reshape(-1).view("u1"), pos)
                 elif p.contiguous and {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
                     # numpy, not torch: same bits, and no 2 s torch import for a cast
                     from .cast import cast_bytes

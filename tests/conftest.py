@@ -122,6 +122,30 @@ def megatron_root() -> Path:
     return cached(_cache_root().parent / f"megatron-{key}", write)
 
 
+@pytest.fixture(scope="session")
+def megatron_moe_root() -> Path:
+    """Folder holding ``<set>/`` for every MoE set of :mod:`core.sample_megatron_moe` (layer
+    count != expert count; grouped GEMM), each laid out like :func:`megatron_root`'s
+    families, written by real megatron-core on gloo and cached with its own key."""
+    from importlib.metadata import version
+
+    import torch
+
+    from core.sample_megatron_moe import MOE_SETS, write_moe
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("megatron-core")] + [
+            (ROOT / "core" / n).read_text() for n in
+            ("sample_megatron_moe.py", "sample_megatron.py", "sample.py")]).encode()
+    ).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        for name in MOE_SETS:
+            write_moe(tmp / name, name)
+
+    return cached(_cache_root().parent / f"megatron-moe-{key}", write, lock="lock-moe")
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)
