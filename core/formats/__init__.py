@@ -47,6 +47,9 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
                 layout = mod.read(str(p), hf_config=hf_config)
             else:
                 layout = mod.read(str(p))
+            from ..native_names import convert as convert_native_names
+
+            convert_native_names(layout, hf_config)  # torchtitan/torchtune names -> HF
             layout.problems.extend(config_problems(layout))
             layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
                                       layout.path)
