@@ -30,6 +30,7 @@ CASES = {  # fixture -> (checkpoint folder, framework named in messages)
     "titan_w2_fp32": ("checkpoint/step-10", "torchtitan"),
     "titan_w3_bf16_tied": ("checkpoint/step-10", "torchtitan"),
     "tune_w2_fp32": ("checkpoint/dist_epoch_0", "torchtune"),
+    "meta_w3_bf16": ("checkpoint/step-10", "Meta Llama"),
 }
 
 

@@ -45,6 +45,12 @@ TUNE = {
     # name: (world size, layers, dim, heads, kv heads, ffn, vocab)
     "tune_w2_fp32": (2, 2, 32, 2, 1, 72, 264),
 }
+#: torchtune's model, its keys renamed to Meta's Llama names by torchtune's own tune_to_meta
+#: (the names of Meta's consolidated checkpoints and of torchtitan's Llama before 0.3)
+META = {
+    # name: (world size, layers, dim, heads, kv heads, ffn, vocab)
+    "meta_w3_bf16": (3, 3, 40, 5, 1, 56, 230),
+}
 STEP = 10
 
 
@@ -174,22 +180,56 @@ def tune_worker(rank, world, port, name, out):
     dist.destroy_process_group()
 
 
-def main(root: str):
+def meta_worker(rank, world, port, name, out):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torchtune.models.convert_weights import tune_to_hf, tune_to_meta
+    from torchtune.models.llama3 import llama3
+
+    world, layers, dim, heads, kv, ffn, vocab = META[name]
+    mesh = _init_pg(rank, world, port)
+    torch.manual_seed(2)
+    model = llama3(vocab_size=vocab, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                   embed_dim=dim, max_seq_len=64, intermediate_dim=ffn)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "scale" in n else 0.0))
+    model.to(torch.bfloat16)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sd = get_model_state_dict(model)
+    state = dict(tune_to_meta(sd))  # flat model keys beside train_state, as torchtitan
+    state["train_state"] = {"step": STEP}
+    dcp.save(state, checkpoint_id=str(out / "checkpoint" / f"step-{STEP}"))
+    full = {k: v.full_tensor() for k, v in sd.items()}
+    if rank == 0:
+        hf_sd = tune_to_hf(full, num_heads=heads, num_kv_heads=kv, dim=dim)
+        conf = hf_config(layers, dim, heads, kv, ffn, vocab, False, 1e-5, 500000,
+                         torch.bfloat16)
+        write_reference(hf_sd, conf, out / "reference", torch.bfloat16)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(root: str, only: list[str]):
     root = Path(root)
     port = 29611
-    for name in TITAN:
+    jobs = [(n, titan_worker, TITAN[n][0]) for n in TITAN]
+    jobs += [(n, tune_worker, TUNE[n][0]) for n in TUNE]
+    jobs += [(n, meta_worker, META[n][0]) for n in META]
+    for name, worker, world in jobs:
+        if only and name not in only:
+            continue
         out = root / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        mp.spawn(titan_worker, (TITAN[name][0], port, name, out), nprocs=TITAN[name][0])
-        port += 1
-    for name in TUNE:
-        out = root / name
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
-        mp.spawn(tune_worker, (TUNE[name][0], port, name, out), nprocs=TUNE[name][0])
+        mp.spawn(worker, (world, port, name, out), nprocs=world)
         port += 1
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__)))
+    # make_native.py [ROOT [FIXTURE ...]]: every fixture, or only those named
+    main(sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__)),
+         sys.argv[2:])
