@@ -1,4 +1,5 @@
-"""Framework-native tensor names (torchtitan, torchtune, Meta's Llama) -> Hugging Face Llama.
+"""Framework-native tensor names (torchtitan, torchtune, Meta's Llama) -> Hugging Face names
+(Llama; torchtitan's dense Qwen3 too).
 
 torchtitan and torchtune train their own model classes, so their checkpoints hold their own
 names (``tok_embeddings``, ``layers.N.attention.wq``, ``sa_norm.scale``, ...) and their own
@@ -106,6 +107,14 @@ SCHEMES = (
             "layers.{}.mlp_norm.scale", "norm.scale", "output.weight"),
 )
 
+#: torchtitan's dense Qwen3 (torchtitan/models/qwen3/state_dict_adapter.py,
+#: ``Qwen3StateDictAdapter.from_hf_map``): torchtitan's Llama names plus the q/k norms; its
+#: rotary embedding (``CosSinRoPE``) already uses Hugging Face's row order, so ``to_hf`` only
+#: renames. Its MoE experts (``moe.routed_experts``) are not converted here (unmapped-tensor).
+QWEN3_NAMES = {"layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
+               "layers.{}.attention.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight"}
+QWEN3_SOURCE = "torchtitan's Qwen3StateDictAdapter.to_hf"
+
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.)")
 
 
@@ -177,8 +186,10 @@ def convert(layout: CheckpointLayout, hf_config: str | None = None) -> Scheme | 
     ``hf_config``: the Hugging Face config folder the user gave (``--hf-config``); else the
     layout's own config folder. Without a config (the head counts the q/k permutation needs
     are not in the weights) the layout keeps its native names and gets a
-    ``native-names-no-config`` error naming the framework. A native tensor the scheme does not
-    name (``unmapped-tensor``), a config that is not a Llama one (``config-mismatch``) and q/k
+    ``native-names-no-config`` error naming the framework. The config's ``model_type`` picks
+    the target: ``llama`` (q/k rows permuted), or ``qwen3`` for torchtitan's names (renamed
+    only). A native tensor the target does not name (``unmapped-tensor``), a config of another
+    family (``config-mismatch``) and q/k
     shapes that disagree with the config (``shape-mismatch``) are errors too: nothing is
     written under a Hugging Face name it does not have. Returns the scheme recognised, or None
     (layout untouched).
@@ -201,10 +212,19 @@ def convert(layout: CheckpointLayout, hf_config: str | None = None) -> Scheme | 
             "--hf-config DIR (a folder with the Llama config.json)", layout.path))
         return scheme
     mtype = config.get("model_type")
-    if mtype != "llama":
+    names, permute, source, family = scheme.names, True, scheme.source, "Llama"
+    if mtype == "qwen3" and scheme is SCHEMES[0]:
+        names, permute, source, family = {**names, **QWEN3_NAMES}, False, QWEN3_SOURCE, "Qwen3"
+        if "layers.0.attention.q_norm.weight" not in layout.tensors:
+            layout.problems.append(Problem(
+                "config-mismatch", f"{what}: config.json says model_type 'qwen3', but the "
+                "weights have no q_norm/k_norm (a torchtitan Llama?)", where))
+            return scheme
+    elif mtype != "llama":
+        known = "llama or qwen3" if scheme is SCHEMES[0] else "llama"
         layout.problems.append(Problem(
-            "config-mismatch", f"{what} of a Llama model, but config.json says model_type "
-            f"{mtype!r}: only conversion to Llama names is known", where))
+            "config-mismatch", f"{what}, but config.json says model_type {mtype!r}: only "
+            f"conversion to {known} names is known", where))
         return scheme
     emb = layout.tensors["tok_embeddings.weight"]
     hd_info = _heads(config, emb.shape[-1])
@@ -221,13 +241,13 @@ def convert(layout: CheckpointLayout, hf_config: str | None = None) -> Scheme | 
     dropped = []
     for name, t in layout.tensors.items():
         tmpl, layer = _template(name)
-        target = scheme.names.get(tmpl)
+        target = names.get(tmpl)
         if target is None:
             if name.endswith(ROTARY_BUFFERS) or name.split(".")[-1] in ROTARY_BUFFERS:
                 dropped.append(name)
                 continue
             layout.problems.append(Problem(
-                "unmapped-tensor", f"{name}: a tensor of a {fw} checkpoint that {scheme.source} "
+                "unmapped-tensor", f"{name}: a tensor of a {fw} checkpoint that {source} "
                 "does not convert", layout.path))
             continue
         hf_name = target.format(layer) if layer is not None else target
@@ -238,13 +258,17 @@ def convert(layout: CheckpointLayout, hf_config: str | None = None) -> Scheme | 
                     "shape-mismatch", f"{name} is {list(t.shape)}, config.json implies "
                     f"[{n * hd}, {hidden}] ({n} heads of {hd})", where))
                 continue
-            converted[hf_name] = permute_rows(t, n, hd, hf_name)
+            converted[hf_name] = (permute_rows(t, n, hd, hf_name) if permute
+                                  else replace(t, name=hf_name, source=name))
         else:
             converted[hf_name] = replace(t, name=hf_name, source=name)
     layout.tensors = converted
-    layout.details[DETAIL] = (f"{fw}: {len(converted)} tensors renamed to Hugging Face Llama "
-                              f"names, q/k rows permuted for rotary embeddings ({heads} query, "
-                              f"{kv} key/value heads of {hd}), as {scheme.source}")
+    heads_text = f"{heads} query, {kv} key/value heads of {hd}"
+    layout.details[DETAIL] = (f"{fw}: {len(converted)} tensors renamed to Hugging Face "
+                              f"{family} names, " + (f"q/k rows permuted for rotary embeddings "
+                                                     f"({heads_text})" if permute else
+                                                     f"q/k rows kept ({heads_text})")
+                              + f", as {source}")
     layout.notes.append(f"{fw} names converted to Hugging Face names (inspect --params shows "
                         "each tensor's native name)")
     if dropped:

@@ -31,6 +31,7 @@ CASES = {  # fixture -> (checkpoint folder, framework named in messages)
     "titan_w3_bf16_tied": ("checkpoint/step-10", "torchtitan"),
     "tune_w2_fp32": ("checkpoint/dist_epoch_0", "torchtune"),
     "meta_w3_bf16": ("checkpoint/step-10", "Meta Llama"),
+    "titan_qwen3_w2_fp32": ("checkpoint/step-10", "torchtitan"),
 }
 
 
@@ -106,6 +107,31 @@ def test_config_of_another_family_refused(tmp_path):
     r = cli("merge", str(DATA / name / CASES[name][0]), "--hf-config", str(cfg), "-o",
             str(tmp_path / "out"))
     assert r.returncode == 3 and "torchtitan" in r.stderr and "qwen2" in r.stderr
+
+
+def _config(tmp_path, name, **changes) -> str:
+    cfg = tmp_path / "cfg"
+    shutil.copytree(DATA / name / "hf_config", cfg)
+    c = json.loads((cfg / "config.json").read_text())
+    c.update(changes)
+    (cfg / "config.json").write_text(json.dumps(c))
+    return str(cfg)
+
+
+def test_llama_weights_under_a_qwen3_config_refused(tmp_path):
+    cfg = _config(tmp_path, "titan_w2_fp32", model_type="qwen3")
+    layout = detect(DATA / "titan_w2_fp32" / CASES["titan_w2_fp32"][0], hf_config=cfg)
+    assert [p.code for p in layout.errors] == ["config-mismatch"]
+    assert "q_norm" in layout.errors[0].message
+
+
+def test_qwen3_weights_under_a_llama_config_refused(tmp_path):
+    name = "titan_qwen3_w2_fp32"
+    cfg = _config(tmp_path, name, model_type="llama", architectures=["LlamaForCausalLM"])
+    layout = detect(DATA / name / CASES[name][0], hf_config=cfg)
+    codes = {p.code for p in layout.errors}
+    assert "unmapped-tensor" in codes
+    assert any("q_norm" in p.message and "torchtitan" in p.message for p in layout.errors)
 
 
 def test_heads_that_do_not_fit_the_weights_refused(tmp_path):

@@ -45,6 +45,10 @@ TUNE = {
     # name: (world size, layers, dim, heads, kv heads, ffn, vocab)
     "tune_w2_fp32": (2, 2, 32, 2, 1, 72, 264),
 }
+QWEN3 = {
+    # name: (world size, layers, dim, heads, kv heads, head dim, ffn, vocab), tied, fp32
+    "titan_qwen3_w2_fp32": (2, 2, 32, 4, 2, 16, 48, 240),
+}
 #: torchtune's model, its keys renamed to Meta's Llama names by torchtune's own tune_to_meta
 #: (the names of Meta's consolidated checkpoints and of torchtitan's Llama before 0.3)
 META = {
@@ -213,12 +217,70 @@ def meta_worker(rank, world, port, name, out):
     dist.destroy_process_group()
 
 
+def qwen3_worker(rank, world, port, name, out):
+    _stub_gpu_kernels()
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import (_EMBEDDING_SKIP_INIT, _EPS, _LINEAR_INIT, Qwen3Model,
+                                         _build_qwen3_layers, _qwen3_norm)
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    from transformers import Qwen3Config
+    import torch.distributed.checkpoint as dcp
+
+    world, layers, dim, heads, kv, hd, ffn, vocab = QWEN3[name]
+    mesh = _init_pg(rank, world, port)
+    torch.manual_seed(3)
+    cfg = Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=_EMBEDDING_SKIP_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_layers(
+            fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv,
+            head_dim=hd, hidden_dim=ffn, attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=hd, max_seq_len=64, theta=1000000.0)))
+    model = cfg.build()
+    model.init_states()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sd = ModelWrapper(model).state_dict()
+    state = dict(sd)
+    state["train_state"] = {"step": STEP}
+    dcp.save(state, checkpoint_id=str(out / "checkpoint" / f"step-{STEP}"))
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
+    if rank == 0:
+        hf_sd = Qwen3StateDictAdapter(cfg, None).to_hf(full)
+        conf = Qwen3Config(vocab_size=vocab, hidden_size=dim, intermediate_size=ffn,
+                           num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=kv, head_dim=hd, rms_norm_eps=_EPS,
+                           rope_theta=1000000.0, max_position_embeddings=64,
+                           tie_word_embeddings=True, torch_dtype="float32",
+                           architectures=["Qwen3ForCausalLM"])
+        from transformers import Qwen3ForCausalLM
+
+        m = Qwen3ForCausalLM(conf)
+        missing, unexpected = m.load_state_dict(hf_sd, strict=False)
+        assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+        m.tie_weights()
+        m.save_pretrained(out / "reference")
+        conf.save_pretrained(out / "hf_config")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(root: str, only: list[str]):
     root = Path(root)
     port = 29611
     jobs = [(n, titan_worker, TITAN[n][0]) for n in TITAN]
     jobs += [(n, tune_worker, TUNE[n][0]) for n in TUNE]
     jobs += [(n, meta_worker, META[n][0]) for n in META]
+    jobs += [(n, qwen3_worker, QWEN3[n][0]) for n in QWEN3]
     for name, worker, world in jobs:
         if only and name not in only:
             continue
