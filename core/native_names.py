@@ -189,10 +189,9 @@ def convert(layout: CheckpointLayout, hf_config: str | None = None) -> Scheme | 
     ``native-names-no-config`` error naming the framework. The config's ``model_type`` picks
     the target: ``llama`` (q/k rows permuted), or ``qwen3`` for torchtitan's names (renamed
     only). A native tensor the target does not name (``unmapped-tensor``), a config of another
-    family (``config-mismatch``) and q/k
-    shapes that disagree with the config (``shape-mismatch``) are errors too: nothing is
-    written under a Hugging Face name it does not have. Returns the scheme recognised, or None
-    (layout untouched).
+    family (``config-mismatch``) and q/k shapes that disagree with the config
+    (``shape-mismatch``) are errors too: nothing is written under a Hugging Face name it does
+    not have. Returns the scheme recognised, or None (layout untouched).
     """
     scheme = recognise(layout.tensors)
     if scheme is None:
@@ -209,7 +208,7 @@ def convert(layout: CheckpointLayout, hf_config: str | None = None) -> Scheme | 
         layout.problems.append(Problem(
             "native-names-no-config", f"{what}: its names and q/k row order differ from "
             "Hugging Face's, and the head counts to convert them are not in the weights; pass "
-            "--hf-config DIR (a folder with the Llama config.json)", layout.path))
+            "--hf-config DIR (the folder of the model's Hugging Face config.json)", layout.path))
         return scheme
     mtype = config.get("model_type")
     names, permute, source, family = scheme.names, True, scheme.source, "Llama"
