@@ -189,7 +189,11 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     """
     out = Path(options.output)
     check_output(out, options.overwrite, layout.path)
-    if (layout.format.startswith("megatron") and options.hf_config
+    from .native_names import DETAIL as NATIVE
+
+    native = NATIVE in layout.details or any(p.code == "native-names-no-config"
+                                             for p in layout.problems)
+    if ((layout.format.startswith("megatron") or native) and options.hf_config
             and Path(layout.config_dir or "").resolve() != Path(options.hf_config).resolve()):
         from .formats import detect  # the cut into Hugging Face tensors depends on the config
 

@@ -55,6 +55,9 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
             if mod.__name__.endswith(".dcp") and not layout.tensors:
                 _optimizer_folder(p)
             _files_inside(layout, p)
+            from ..native_names import convert as convert_native_names
+
+            convert_native_names(layout, hf_config)  # torchtitan/torchtune names -> HF
             layout.problems.extend(config_problems(layout))
             layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
                                       layout.path)
