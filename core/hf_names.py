@@ -252,10 +252,9 @@ AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoMode
 
 def meta_model(config_dir: str, names=None):
     """The model for ``config_dir``'s config.json, built on the meta device (no weights, no
-    download): the class named in ``architectures`` when transformers ships it, else the first
-    of :data:`AUTO_CLASSES` that takes the config. With ``names`` (the checkpoint's in-memory
-    tensor names), the first candidate whose ``state_dict`` holds them all wins, else the one
-    holding most. Returns None when transformers does not know the model (remote code is
+    download): the class named in ``architectures`` when transformers ships it (and holds any
+    of ``names``), else the first of :data:`AUTO_CLASSES` whose ``state_dict`` holds all
+    ``names`` (the checkpoint's in-memory tensor names), else the candidate holding most. Returns None when transformers does not know the model (remote code is
     never run here)."""
     import torch
     import transformers
@@ -265,9 +264,9 @@ def meta_model(config_dir: str, names=None):
         config = AutoConfig.from_pretrained(config_dir)
     except Exception:  # noqa: BLE001 - unknown model type, remote code, bad config
         return None
-    classes = [getattr(transformers, a, None) for a in (config.architectures or [])]
-    classes = [c for c in classes if c is not None]
-    classes += [getattr(transformers, a) for a in AUTO_CLASSES]
+    declared = [getattr(transformers, a, None) for a in (config.architectures or [])]
+    declared = [c for c in declared if c is not None]
+    classes = declared + [getattr(transformers, a) for a in AUTO_CLASSES]
     names = set(names or ())
     best, best_hits = None, -1
     for cls in classes:
@@ -278,8 +277,8 @@ def meta_model(config_dir: str, names=None):
         except Exception:  # noqa: BLE001 - this class does not take this config
             continue
         hits = len(names & set(model.state_dict()))
-        if hits == len(names):
-            return model
+        if hits == len(names) or (cls in declared and hits):
+            return model  # the declared class is what save_pretrained ran on
         if hits > best_hits:
             best, best_hits = model, hits
     return best

@@ -287,7 +287,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
             if key is not None:  # the trained copy of a modules_to_save module
                 atensors.append(OutputTensor(key, t.shape, t.dtype, t, located(t)))
         files.append(OutputFile(f"{ADAPTER_DIR}/adapter_model.safetensors", atensors))
-        modules = {n.rsplit(".", 1)[0] for n in mapping}
+        modules = {memory_names.get(n, n).rsplit(".", 1)[0] for n in mapping}
         generated[f"{ADAPTER_DIR}/adapter_config.json"] = lora_mod.adapter_config_json(
             adapter, modules)
     if lora is not None and mode == "both":

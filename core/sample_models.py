@@ -11,7 +11,7 @@ vision-language model).
 Families (:data:`FAMILIES`): Qwen2.5-VL and Llava (in memory ``model.language_model.*``,
 ``model.visual.*``/``model.vision_tower.*``), Qwen3-MoE and Mixtral (experts fused in memory as
 ``mlp.experts.gate_up_proj`` ``[E, 2F, H]`` and ``down_proj`` ``[E, H, F]``), T5 (one tensor
-tied under four names). Sizes differ on purpose (experts != layers, world sizes 2 and 3).
+tied under four names); :data:`DCP_FAMILIES` also as a DCP folder. Sizes differ on purpose (experts != layers, world sizes 2 and 3).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ FAMILIES = {
     "mixtral": (2, "BF16", 53),
     "t5": (2, "F32", 54),
 }
+
+#: families also written as a DCP folder ``<family>.dcp/`` (pass ``huggingface/`` as config)
+DCP_FAMILIES = ("qwen3_moe", "qwen2_5_vl")
 
 VOCAB = 320
 
@@ -182,4 +185,9 @@ def _write(rank: int, world: int, root: Path, family: str) -> None:
     for block in _blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    torch.save(model.state_dict(), out / f"model_world_size_{world}_rank_{rank}.pt")
+    sd = model.state_dict()
+    torch.save(sd, out / f"model_world_size_{world}_rank_{rank}.pt")
+    if family in DCP_FAMILIES:  # the same shards through torch.distributed.checkpoint
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(dict(sd), checkpoint_id=str(root / f"{family}.dcp"))

@@ -136,3 +136,12 @@ def test_cut_of_a_flat_partition_is_refused(models_root):
     E, H, F = fused.shape
     with pytest.raises(BadCheckpointError, match="experts.down_proj.*flat"):
         cut(Box((0, 0), (H, F), fused.name, (1, 0, 0), (1, 2)), flat)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_5_vl"])
+def test_dcp_checkpoint_merges_to_save_pretrained(models_root, tmp_path, family):
+    """The same shards saved with torch.distributed.checkpoint: deferred chunks are located,
+    then cut, with the config passed as --hf-config."""
+    _merge(models_root / f"{family}.dcp", tmp_path / "out",
+           hf_config=str(models_root / family / "huggingface"))
+    assert_bit_equal(load(tmp_path / "out"), load(models_root / f"{family}.reference"))
