@@ -328,17 +328,66 @@ def save_form(model, tensors: dict[str, tuple[tuple[int, ...], str]]) -> SaveFor
     return SaveForm(name, out, set(sd) - set(kept))
 
 
-def cut(box: Box, source: TensorInfo, resolve=None) -> list[Piece]:
+def _run(shape: tuple[int, ...], lo: list[int], hi: list[int]) -> tuple[int, int] | None:
+    """(first element, count) of the box ``[lo, hi)`` of a C-contiguous tensor of ``shape``
+    when the box is one run of consecutive elements (leading dims of extent 1, then one
+    partial dim, then whole dims), else None."""
+    k = 0
+    while k < len(shape) and hi[k] - lo[k] == 1:
+        k += 1
+    if any(lo[d] != 0 or hi[d] != shape[d] for d in range(k + 1, len(shape))):
+        return None
+    start, step = 0, 1
+    for d in reversed(range(len(shape))):
+        start += lo[d] * step
+        step *= shape[d]
+    count = 1
+    for a, z in zip(lo, hi):
+        count *= z - a
+    return start, count
+
+
+def _cut_flat(box: Box, source: TensorInfo, out_shape: tuple[int, ...]) -> list[Piece]:
+    """:func:`cut` for a flat tensor (pieces are ranges of the flattened tensor, as DeepSpeed's
+    ZeRO partitions): the box must be one run of consecutive elements in the source and in
+    the saved tensor, dims in order (no transpose); the pieces are ranges of the saved
+    tensor's flattened form."""
+    order = [d for d in box.dims if d is not None]
+    lo = list(box.start)
+    hi = [a + 1 for a in box.start]
+    for k, d in enumerate(box.dims):
+        if d is not None:
+            hi[d] = lo[d] + box.shape[k]
+    src = _run(source.shape, lo, hi)
+    dst = _run(out_shape, list(box.offsets), [o + n for o, n in zip(box.offsets, box.shape)])
+    if order != sorted(order) or src is None or dst is None:
+        raise BadCheckpointError(f"{source.name}: save_pretrained writes it cut across its "
+                                 "rows or transposed, which shardscope does not do for flat "
+                                 "(ZeRO) partitions yet")
+    (start, count), (at, _) = src, dst
+    size = ITEMSIZE[source.dtype]
+    pieces = []
+    for p in source.pieces:
+        o, n = p.global_offsets[0], p.shape[0]
+        a, z = max(o, start), min(o + n, start + count)
+        if a < z:
+            pieces.append(replace(p, byte_offset=p.byte_offset + (a - o) * p.stride[0] * size,
+                                  shape=(z - a,), global_offsets=(at + a - start,)))
+    return pieces
+
+
+def cut(box: Box, source: TensorInfo, resolve=None, out_shape=None) -> list[Piece]:
     """The pieces of ``source`` (located with ``resolve`` when they are deferred) that fill
-    ``box``, as pieces of the saved tensor: each one the intersection of a stored slice with
-    the box, its byte offset moved to the first element, its shape and strides in the saved
-    tensor's dim order (a transpose is a permutation of strides), its offsets in the saved
-    tensor. Raises :class:`BadCheckpointError` for a flat tensor (DeepSpeed partitions)."""
+    ``box``, as pieces of the saved tensor (of ``out_shape``, default the box's): each one the
+    intersection of a stored slice with the box, its byte offset moved to the first element,
+    its shape and strides in the saved tensor's dim order (a transpose is a permutation of
+    strides), its offsets in the saved tensor. For a flat source (ZeRO partitions) the pieces
+    are ranges of the flattened saved tensor; a box that is not one run of consecutive
+    elements there raises :class:`BadCheckpointError`."""
     if box.is_whole(source.shape):
         return list(source.pieces)
     if source.flat:
-        raise BadCheckpointError(f"{source.name}: save_pretrained writes it cut or transposed, "
-                                 "which shardscope does not do for flat (ZeRO) partitions yet")
+        return _cut_flat(box, source, tuple(out_shape or box.shape))
     size = ITEMSIZE[source.dtype]
     ranges = {}  # source dim -> (lo, hi) of the box
     for k, d in enumerate(box.dims):
@@ -429,9 +478,13 @@ def saved_mapping(layout, mapping: dict[str, str], config_dir: str | None
                                      f"different dtypes ({', '.join(sorted(dtypes))}) into "
                                      f"{name}", layout.path)
         what = ", ".join(dict.fromkeys(b.source for b in boxes))
+        flat = {s.flat for s in srcs}
+        if len(flat) > 1:
+            raise BadCheckpointError(f"{form.model}: save_pretrained joins flat and unflat "
+                                     f"tensors into {name}", layout.path)
         t = TensorInfo(name, shape, srcs[0].dtype, f"{srcs[0].placement}; cut from {what}",
-                       source=what)
+                       flat=flat.pop(), source=what)
         for b, s in zip(boxes, srcs):
-            t.pieces.extend(cut(b, s, layout.resolve_piece))
+            t.pieces.extend(cut(b, s, layout.resolve_piece, shape))
         out[name] = t
     return out, renamed

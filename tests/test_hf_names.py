@@ -123,19 +123,37 @@ def test_conversion_that_mixes_dims_is_refused():
             x.reshape(4, 3, 2).transpose(1, 2).reshape(4, 6).contiguous()
 
 
-def test_cut_of_a_flat_partition_is_refused(models_root):
-    """A fused tensor held as flat ranges (DeepSpeed ZeRO partitions) cannot be cut into
-    boxes yet: the refusal names the tensor, never a wrong slice."""
+def test_cut_of_a_flat_partition(models_root):
+    """A fused tensor held as flat ranges (DeepSpeed ZeRO partitions, here the Mixtral shards
+    viewed flat) is cut when the block is one run of consecutive elements (an expert, the
+    gate half of one); a transposed block is refused naming the tensor."""
     import dataclasses
 
+    from core.execute import _Sources, assemble
     from core.hf_names import Box, cut
+    from core.layout import coverage_problems
 
     layout = detect(str(models_root / "mixtral"))
-    fused = layout.tensors["model.layers.0.mlp.experts.down_proj"]
-    flat = dataclasses.replace(fused, flat=True)
-    E, H, F = fused.shape
-    with pytest.raises(BadCheckpointError, match="experts.down_proj.*flat"):
-        cut(Box((0, 0), (H, F), fused.name, (1, 0, 0), (1, 2)), flat)
+    fused = layout.tensors["model.layers.0.mlp.experts.gate_up_proj"]  # [E, 2F, H]
+    E, F2, H = fused.shape
+    pieces = [dataclasses.replace(p, shape=(p.numel,), stride=(1,),
+                                  global_offsets=(p.global_offsets[0] * F2 * H,))
+              for p in fused.pieces]  # FSDP2 Shard(0) slices are C-contiguous runs
+    flat = dataclasses.replace(fused, flat=True, pieces=pieces)
+    ref = load(models_root / "mixtral.reference")
+    src = _Sources()
+    try:
+        for e in range(E):
+            box = Box((0, 0), (F2 // 2, H), fused.name, (e, 0, 0), (1, 2))
+            got = cut(box, flat)
+            t = dataclasses.replace(flat, shape=(F2 // 2, H), pieces=got)
+            assert not coverage_problems(t)
+            x = assemble(got, (F2 // 2, H), fused.dtype, src, flat=True)
+            assert torch.equal(x, ref[f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"])
+    finally:
+        src.close()
+    with pytest.raises(BadCheckpointError, match="experts.gate_up_proj.*flat"):
+        cut(Box((0, 0), (H, F2 // 2), fused.name, (1, 0, 0), (2, 1)), flat)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_5_vl"])
