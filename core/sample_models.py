@@ -191,3 +191,44 @@ def _write(rank: int, world: int, root: Path, family: str) -> None:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(dict(sd), checkpoint_id=str(root / f"{family}.dcp"))
+
+
+def write_deepspeed_moe(root: str | os.PathLike, name: str = "qwen3_moe.ds-z2",
+                        world: int = 2, stage: int = 2) -> None:
+    """A DeepSpeed ZeRO checkpoint (CPU accelerator, gloo) of the tiny Qwen3-MoE at
+    ``root/<name>/``: its fused experts are stored as ranges of flat fp32 partitions. The
+    model's config is in ``huggingface/``, ``save_pretrained`` of the weights at
+    ``root/<name>.reference/``. Needs deepspeed."""
+    import torch.multiprocessing as mp
+
+    from .sample import _free_port
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_deepspeed_rank, args=(world, _free_port(), str(root), name, stage),
+                       nprocs=world, start_method="spawn", join=True)
+
+
+def _deepspeed_rank(rank, world, port, root, name, stage) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model("qwen3_moe", FAMILIES["qwen3_moe"][2] + 100)
+    out = Path(root) / name
+    if rank == 0:
+        model.save_pretrained(Path(root) / f"{name}.reference")
+        _side_files(model, "qwen3_moe", out / "huggingface")
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    engine.save_checkpoint(str(out), tag="global_step0")
+    torch.distributed.barrier()

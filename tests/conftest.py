@@ -132,13 +132,17 @@ def models_root() -> Path:
 
     import torch
 
-    from core.sample_models import write_models
+    from core.sample_models import write_deepspeed_moe, write_models
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("transformers"),
          (ROOT / "core" / "sample_models.py").read_text(),
          (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
-    return cached(_cache_root().parent / f"models-{key}", write_models, "lock-models")
+    def write(tmp: Path) -> None:
+        write_models(tmp)
+        write_deepspeed_moe(tmp)
+
+    return cached(_cache_root().parent / f"models-{key}", write, "lock-models")
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:

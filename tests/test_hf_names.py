@@ -163,3 +163,12 @@ def test_dcp_checkpoint_merges_to_save_pretrained(models_root, tmp_path, family)
     _merge(models_root / f"{family}.dcp", tmp_path / "out",
            hf_config=str(models_root / family / "huggingface"))
     assert_bit_equal(load(tmp_path / "out"), load(models_root / f"{family}.reference"))
+
+
+def test_deepspeed_zero_fused_experts_merge_to_save_pretrained(models_root, tmp_path):
+    """DeepSpeed ZeRO-2 of a transformers-5 Qwen3-MoE: the fused experts are ranges of the
+    flat fp32 partitions; each expert's gate/up/down is cut from them as ranges."""
+    layout, _ = _merge(models_root / "qwen3_moe.ds-z2", tmp_path / "out")
+    assert layout.format == "deepspeed"
+    assert any(t.flat for t in layout.tensors.values())
+    assert_bit_equal(load(tmp_path / "out"), load(models_root / "qwen3_moe.ds-z2.reference"))
