@@ -458,7 +458,15 @@ def saved_mapping(layout, mapping: dict[str, str], config_dir: str | None
               for n, s in mapping.items() if n in own}
     if not memory:
         return mapping, {}
-    form = save_form(model, memory)
+    try:
+        return _saved_mapping(layout, mapping, save_form(model, memory), memory)
+    except BadCheckpointError as e:
+        if e.path is None:
+            raise BadCheckpointError(e.message, layout.path) from None
+        raise
+
+
+def _saved_mapping(layout, mapping, form: SaveForm, memory):
     out: dict = {n: s for n, s in mapping.items() if n not in memory}
     renamed: dict[str, str] = {}
     for name, (shape, boxes) in form.tensors.items():

@@ -172,3 +172,17 @@ def test_deepspeed_zero_fused_experts_merge_to_save_pretrained(models_root, tmp_
     assert layout.format == "deepspeed"
     assert any(t.flat for t in layout.tensors.values())
     assert_bit_equal(load(tmp_path / "out"), load(models_root / "qwen3_moe.ds-z2.reference"))
+
+
+def test_saved_name_colliding_with_a_stored_name_is_refused(models_root, tmp_path):
+    """A checkpoint holding a tensor under the in-memory name and another under the name
+    save_pretrained would write for it is refused, naming both, never one silently lost."""
+    import dataclasses
+
+    layout = detect(str(models_root / "qwen2_5_vl"))
+    src = layout.tensors["model.language_model.norm.weight"]
+    layout.tensors["model.norm.weight"] = dataclasses.replace(src, name="model.norm.weight")
+    with pytest.raises(BadCheckpointError, match="model.norm.weight from "
+                       "model.language_model.norm.weight") as e:
+        plan_merge(layout, MergeOptions(output=str(tmp_path / "out")))
+    assert e.value.path == layout.path
