@@ -13,7 +13,7 @@ from pathlib import Path
 from .dtypes import CASTABLE, ITEMSIZE, USER_DTYPES
 from .errors import BadCheckpointError, OutputExistsError, UsageError
 from .formats.common import config_files, read_config
-from . import lora as lora_mod
+from . import hf_names, lora as lora_mod
 from .layout import CheckpointLayout, Piece, TensorInfo, coverage_problems
 
 ADAPTER_DIR = "lora_adapter"
@@ -247,6 +247,8 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         elif tied is False and out_name not in mapping and emb in mapping:
             raise BadCheckpointError(f"the config says the embeddings are untied, but the "
                                      f"checkpoint has no {out_name}", config_dir)
+    # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
+    mapping, memory_names = hf_names.saved_mapping(layout, mapping, config_dir)
     source_bytes: dict[str, int] = {}
 
     def located(t: TensorInfo) -> list[Piece]:
@@ -263,10 +265,11 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     lora_src = _lora_sources(layout, adapter) if adapter is not None else {}
     tensors: dict[str, OutputTensor] = {}
     for out_name in sorted(mapping, key=natural_key):
-        t = layout.tensors[mapping[out_name]]
+        src = mapping[out_name]
+        t = src if isinstance(src, TensorInfo) else layout.tensors[src]
         dtype = target if target and t.dtype in CASTABLE else t.dtype
         ot = OutputTensor(out_name, t.shape, dtype, t, located(t))
-        module = out_name.rsplit(".", 1)[0]
+        module = memory_names.get(out_name, out_name).rsplit(".", 1)[0]
         if mode in ("fold", "both") and out_name.endswith(".weight") and module in lora_src:
             a, b = lora_src[module]
             if (b.shape[0], a.shape[1]) != t.shape:
@@ -289,7 +292,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
             if key is not None:  # the trained copy of a modules_to_save module
                 atensors.append(OutputTensor(key, t.shape, t.dtype, t, located(t)))
         files.append(OutputFile(f"{ADAPTER_DIR}/adapter_model.safetensors", atensors))
-        modules = {n.rsplit(".", 1)[0] for n in mapping}
+        modules = {memory_names.get(n, n).rsplit(".", 1)[0] for n in mapping}
         generated[f"{ADAPTER_DIR}/adapter_config.json"] = lora_mod.adapter_config_json(
             adapter, modules)
     if lora is not None and mode == "both":

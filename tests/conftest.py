@@ -146,6 +146,30 @@ def megatron_moe_root() -> Path:
     return cached(_cache_root().parent / f"megatron-moe-{key}", write, lock="lock-moe")
 
 
+@pytest.fixture(scope="session")
+def models_root() -> Path:
+    """Folder holding ``<family>/`` (a verl-layout FSDP2 checkpoint) and
+    ``<family>.reference/`` (``save_pretrained``) for every family of
+    :mod:`core.sample_models` (VLMs, fused-expert MoEs, T5), written by real torch.distributed
+    runs and cached like :func:`fixtures_root`."""
+    from importlib.metadata import version
+
+    import torch
+
+    from core.sample_models import write_deepspeed_moe, write_models
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("transformers"),
+         (ROOT / "core" / "sample_models.py").read_text(),
+         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        write_models(tmp)
+        write_deepspeed_moe(tmp)
+
+    return cached(_cache_root().parent / f"models-{key}", write, "lock-models")
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)
