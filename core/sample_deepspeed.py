@@ -24,8 +24,9 @@ def _env(rank: int, world: int, port: int) -> None:
                       DS_ACCELERATOR="cpu")
 
 
-def _config(stage: int, dtype: str) -> dict:
-    return {
+def _config(stage: int, dtype: str, grad_accum: str | None = None) -> dict:
+    extra = {"data_types": {"grad_accum_dtype": grad_accum}} if grad_accum else {}
+    return extra | {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
@@ -37,8 +38,8 @@ def _config(stage: int, dtype: str) -> dict:
 def write_jobs(root: str | os.PathLike, world_size: int, jobs: list[dict]) -> None:
     """Run ``jobs`` one after the other in the same ``world_size`` gloo processes (one
     DeepSpeed import per process, which is most of a run's time). A job is a dict with
-    ``kind``: ``"frozen"`` (keywords of :func:`frozen_job`) or ``"pipeline"`` (keywords of
-    :func:`pipeline_job`). Blocks until every rank is done; a failing rank raises."""
+    ``kind``: ``"frozen"``, ``"pipeline"`` or ``"moe"`` (the keywords of :func:`frozen_job`,
+    :func:`pipeline_job`, :func:`moe_job`). Blocks until every rank is done; a failing rank raises."""
     import torch.multiprocessing as mp
 
     Path(root).mkdir(parents=True, exist_ok=True)
@@ -56,13 +57,13 @@ def _rank_main(rank, world, port, root, jobs) -> None:
     for job in jobs:
         job = dict(job)
         kind = job.pop("kind")
-        {"frozen": frozen_job, "pipeline": pipeline_job}[kind](rank, Path(root), **job)
+        {"frozen": frozen_job, "pipeline": pipeline_job, "moe": moe_job}[kind](rank, Path(root), **job)
         torch.distributed.barrier()
 
 
 def frozen_job(rank: int, root: Path, name: str, stage: int, dtype: str,
                frozen: tuple[str, ...], exclude: bool = False, seed: int = 60,
-               layers: int = 2) -> None:
+               layers: int = 2, grad_accum: str | None = None) -> None:
     """(In a rank process.) A ZeRO ``stage`` run of the tiny qwen2 model whose parameters
     starting with one of ``frozen`` (name prefixes) have ``requires_grad=False``, saved at
     ``root/<name>/`` with ``exclude_frozen_parameters=exclude``; config in ``huggingface/``, the
@@ -80,7 +81,7 @@ def frozen_job(rank: int, root: Path, name: str, stage: int, dtype: str,
         _hf_files(model, v, out / "huggingface")
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=_config(stage, dtype))
+        config=_config(stage, dtype, grad_accum))
     engine.save_checkpoint(str(out), tag="global_step0", exclude_frozen_parameters=exclude)
 
 
@@ -115,4 +116,35 @@ def pipeline_job(rank: int, root: Path, name: str, stages: int, tp: int, layers:
                          **kw)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters()],
                                       config=_config(1, dtype))
+    engine.save_checkpoint(str(root / name), tag="global_step0")
+
+
+def moe_job(rank: int, root: Path, name: str, experts: int = 2, ep: int = 2, hidden: int = 16,
+            stage: int = 2, seed: int = 80) -> None:
+    """(In a rank process.) A model with one ``deepspeed.moe.layer.MoE`` of ``experts``
+    ``nn.Linear(hidden, hidden)`` experts over ``ep`` expert-parallel ranks, ZeRO ``stage``,
+    saved at ``root/<name>/`` (expert files ``layer_*_expert_*_mp_rank_00_model_states.pt``)."""
+    import deepspeed
+    import torch
+    from deepspeed.moe.layer import MoE
+
+    torch.manual_seed(seed)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(hidden, hidden)
+            self.moe = MoE(hidden_size=hidden, expert=torch.nn.Linear(hidden, hidden),
+                           num_experts=experts, ep_size=ep, k=1)
+
+        def forward(self, x):
+            return self.moe(self.inp(x))[0]
+
+    net = Net()
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters()), "name": "params"})
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=groups,
+                                      config=_config(stage, "F32"))
     engine.save_checkpoint(str(root / name), tag="global_step0")

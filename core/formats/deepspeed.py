@@ -146,7 +146,8 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
 
     Pipeline parallelism (``PipelineModule``: one ``mp_rank_{stage}`` per pipeline stage, as
     the model states' ``checkpoint_parallel_dimensions``/``mp_world_size`` say) merges as the
-    union of the stages. Refused by name (error problems): tensor parallelism (``tp_degree`` >
+    union of the stages. A universal checkpoint (``ds_to_universal``'s ``zero/``) gives one full
+    tensor per parameter. Refused by name (error problems): tensor parallelism (``tp_degree`` >
     1), DeepSpeed MoE expert files, frozen parameters excluded at save time
     (``frozen-excluded``). ``hf_config``: the Hugging Face config folder to use (default: the
     checkpoint's ``huggingface/`` or a ``config.json`` beside it).
@@ -173,10 +174,10 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
         elif (m := LAYER_RE.match(n)) and int(m[2] or 0) == 0:
             layer_files[int(m[1])] = str(d / n)
     layer_tp = {int(m[2]) for n in names if (m := LAYER_RE.match(n)) and m[2]}
-    if not optim and not moe and (d / "zero").is_dir():
-        raise BadCheckpointError("a DeepSpeed universal checkpoint (ds_to_universal: zero/<param>/"
-                                 "fp32.pt) is not supported; merge the ZeRO checkpoint it was "
-                                 "made from", str(d))
+    universal = not optim and not moe and (d / "zero").is_dir()
+    if universal and weights == "module":
+        raise BadCheckpointError("a DeepSpeed universal checkpoint (ds_to_universal) keeps no "
+                                 "module weights; merge its fp32 weights instead", str(d))
     model_file = model2.get(0) or model3.get((0, 0))
     if model_file is None:
         raise BadCheckpointError(f"no {MODEL2} or zero_pp_rank_0_mp_rank_00_model_states.pt",
@@ -189,6 +190,8 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
         layout.problems.append(problem_for(e, model_file))
         return layout
     _attach(layout, hf_config, root, d)
+    if universal:
+        return _universal(layout, d, model_states, model_file)
     if moe:
         layout.problems.append(Problem(
             "unsupported-moe", f"DeepSpeed MoE (expert parallelism: {moe[0]} and {len(moe) - 1} "
@@ -212,11 +215,12 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
             f"{mpw}) is not supported: the checkpoint records no rule to join the tensor-parallel "
             "ranks' slices", model_file))
         return layout
-    if pp * tp != mpw:
+    if pp * tp != mpw:  # never guess which model-parallel ranks are stages and which slices
+        layout.world_size = mpw
         layout.problems.append(Problem(
-            "world-size-mismatch", f"the model states say pp_degree {pp} x tp_degree {tp}, the "
-            f"files go to mp_rank {mpw - 1}", model_file))
-        pp = mpw
+            "unsupported-model-parallel", f"model parallelism of unknown kind: the model states "
+            f"say pp_degree {pp} x tp_degree {tp}, but mp_world_size {mpw}", model_file))
+        return layout
     stage = None
     dp = _int(_get(model_states, "dp_world_size"))
     ranks_found = 1 + max((r for _, r in optim), default=0)
@@ -268,7 +272,8 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
     if stage >= 3:  # every dp rank's model states hold its fragments of the frozen parameters
         for s, st in enumerate(stages):
             for r in range(world):
-                mf = model3.get((s, r), str(d / f"zero_pp_rank_{r}_mp_rank_{s:02d}_model_states.pt"))
+                mf = model3.get((s, r), str(d / f"zero_pp_rank_{r}_mp_rank_{s:02d}_"
+                                                 "model_states.pt"))
                 st["model3"][r] = mf
                 if s == 0 and r == 0:
                     st["model3"][r] = (mf, model_states)
@@ -326,6 +331,65 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
     if frozen_n:
         layout.notes.append(f"{frozen_n} frozen parameter(s) (requires_grad=False) taken from "
                             "the model states as saved, in the training dtype")
+    if not layout.errors:
+        for t in layout.tensors.values():
+            layout.problems.extend(coverage_problems(t))
+    return layout
+
+
+def _universal(layout, d: Path, model_states, model_file: str) -> CheckpointLayout:
+    """A universal checkpoint (``checkpoint/ds_to_universal.py``): ``zero/<name>/fp32.pt`` per
+    parameter, a ``torch.save`` of ``{"param": the full fp32 tensor, ...}`` (tensor-parallel
+    slices already joined, ``cat_dim`` recorded beside it), next to copies of the model states
+    (``param_shapes``, ``frozen_param_shapes``, buffers). Every parameter the model states name
+    must have its file."""
+    layout.world_size = 1
+    layout.notes.append("DeepSpeed universal checkpoint (ds_to_universal): one full fp32 tensor "
+                        "per parameter in zero/<name>/fp32.pt")
+    want: dict[str, tuple] = {}
+    for shapes in _get(model_states, "param_shapes") or ():
+        if isinstance(shapes, dict):
+            want.update({k: tuple(v) for k, v in shapes.items()})
+    frozen = _get(model_states, "frozen_param_shapes")
+    if isinstance(frozen, dict):
+        want.update({k: tuple(v) for k, v in frozen.items()})
+    for sub in sorted((d / "zero").iterdir()):
+        f = sub / "fp32.pt"
+        if not sub.is_dir() or (sub.name not in want and not f.is_file()):
+            continue
+        sf = stat_file(str(f))
+        layout.files.append(sf)
+        if sf.status == "missing":
+            continue
+        try:
+            ref = _get(read_torch_archive(str(f)).root, "param")
+            if not isinstance(ref, TensorRef) or not ref.fits_storage():
+                raise BadCheckpointError("no 'param' tensor", str(f))
+        except BadCheckpointError as e:
+            sf.status = "unreadable"
+            layout.problems.append(problem_for(e, str(f)))
+            continue
+        if sub.name in want and want[sub.name] != tuple(ref.shape):
+            layout.problems.append(Problem("shape-mismatch", f"{sub.name}: fp32.pt holds "
+                                           f"{ref.shape}, the model states say "
+                                           f"{want[sub.name]}", str(f)))
+            continue
+        layout.tensors[sub.name] = TensorInfo(sub.name, tuple(ref.shape), ref.dtype,
+                                              "universal", [_whole(ref, str(f))])
+    for name in want:
+        if name not in layout.tensors and not any(p.path and f"/{name}/" in p.path
+                                                  for p in layout.problems):
+            layout.problems.append(Problem("missing-tensor", f"{name}: named by the model "
+                                           "states, no zero/<name>/fp32.pt",
+                                           str(d / "zero" / name / "fp32.pt")))
+    if (_get(model_states, "frozen_param_shapes") is None
+            and _has(model_states, "frozen_param_shapes")
+            and (_zero_stage(None, model_states) or 0) >= 2):
+        layout.problems.append(Problem(
+            "frozen-excluded", "frozen parameters were excluded at save time "
+            "(save_checkpoint(exclude_frozen_parameters=True)): the model states hold no "
+            "frozen_param_shapes, so the frozen ones' names and values are lost", model_file))
+    _buffers_and_shared(layout, model_states, model_file, None)
     if not layout.errors:
         for t in layout.tensors.values():
             layout.problems.extend(coverage_problems(t))
@@ -463,6 +527,16 @@ def _module_weights(layout, stages, layer_files, stage) -> CheckpointLayout:
         if ref.fits_storage():
             layout.tensors[name] = TensorInfo(name, ref.shape, ref.dtype, "module",
                                               [_whole(ref, f)])
+    for st in stages:  # every trained parameter must have its module weight
+        for shapes in _get(st["states"], "param_shapes") or ():
+            for name in (shapes if isinstance(shapes, dict) else ()):
+                if name not in layout.tensors:
+                    layer = name.split(".", 1)[0]
+                    where = (f"no layer_{int(layer):02d}-*model_states.pt holds it"
+                             if layer_files is not None and layer.isdigit() and len(stages) > 1
+                             else "the module weights lack it")
+                    layout.problems.append(Problem("missing-tensor", f"{name}: in param_shapes, "
+                                                   f"but {where}", st["model_file"]))
     layout.notes.append("module weights as trained (--weights module)")
     return layout
 
