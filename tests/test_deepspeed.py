@@ -298,3 +298,42 @@ def test_moe_refused_by_name(ds_moe, tmp_path):
     r = _merge(ds_moe / "moe-ep2", tmp_path / "o")
     assert r.returncode == 3 and "DeepSpeed MoE" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="session")
+def ds_universal(ds_more):
+    """``fz-z2-w2`` (frozen embedding, layer 0 and norm) converted by DeepSpeed's own
+    ``ds_to_universal`` (``--inject_missing_state``: a Hugging Face model records no
+    universal_checkpoint_info), at ``<root>/universal``."""
+
+    def write(tmp: Path) -> None:
+        src = copy_checkpoint(ds_more / "fz-z2-w2", tmp / "src")
+        r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                            "--input_folder", str(src / "global_step0"), "--output_folder",
+                            str(tmp / "universal"), "--inject_missing_state",
+                            "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+
+    return cached(ds_more.with_name(ds_more.name + "-universal"), write, lock="lock-ds-uni")
+
+
+def test_universal_checkpoint_merges_bit_exact(ds_universal, ds_more, tmp_path):
+    layout = detect(ds_universal / "universal")
+    assert not layout.problems, layout.problems
+    run_merge(plan_merge(layout, MergeOptions(str(tmp_path / "o"))))
+    got = load_file(tmp_path / "o" / "model.safetensors")
+    ref = load_file(ds_more / "fz-z2-w2.reference" / "model.safetensors")
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def test_universal_checkpoint_missing_parameter_refused(ds_universal, tmp_path):
+    ck = copy_checkpoint(ds_universal / "universal", tmp_path / "u")
+    victim = ck / "zero" / "model.norm.weight" / "fp32.pt"
+    os.remove(victim)
+    layout = detect(ck)
+    assert ("missing-tensor", str(victim)) in {(p.code, p.path) for p in layout.errors}
+    r = _merge(ck, tmp_path / "o")
+    assert r.returncode == 3 and "model.norm.weight" in r.stderr

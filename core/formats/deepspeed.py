@@ -210,10 +210,16 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
     if tp > 1:
         layout.world_size = mpw
         layout.parallel = {"tp": tp, "pp": pp}
+        # AutoTP records its partition rules as universal_checkpoint_info, which DeepSpeed's
+        # ds_to_universal applies (module_inject/layers.py collect_autotp_universal_checkpoint_
+        # info); shardscope reads the universal checkpoint that writes
+        how = ("convert it with DeepSpeed's ds_to_universal (the checkpoint records AutoTP's "
+               "universal_checkpoint_info) and merge that" if _get(
+                   model_states, "universal_checkpoint_info") is not None else
+               "the checkpoint records no rule to join the tensor-parallel ranks' slices")
         layout.problems.append(Problem(
             "unsupported-tp", f"DeepSpeed tensor parallelism (tp_degree {tp}, mp_world_size "
-            f"{mpw}) is not supported: the checkpoint records no rule to join the tensor-parallel "
-            "ranks' slices", model_file))
+            f"{mpw}) is not supported: {how}", model_file))
         return layout
     if pp * tp != mpw:  # never guess which model-parallel ranks are stages and which slices
         layout.world_size = mpw
@@ -290,6 +296,7 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
                     sf.status = "unreadable"
                     layout.problems.append(problem_for(e, mf))
     layout.world_size = world * pp
+    layout.files.extend(stat_file(f) for _, f in sorted(layer_files.items()))
     layout.parallel = ({"dp": world} if stage < 3 else {"fsdp": world}) | (
         {"pp": pp} if pp > 1 else {})
     if weights == "module":
