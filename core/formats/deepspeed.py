@@ -207,15 +207,15 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
         tp = (max(layer_tp) + 1 if layer_tp else 1) if layer_files or layer_tp else mpw
         pp = mpw // tp
     pp = pp or 1
-    if tp > 1:
+    uc = _get(model_states, "universal_checkpoint_info")
+    affine = _get(_get(uc, "affine_map"), "params") if uc is not None else None
+    if tp > 1 and not (pp == 1 and tp == mpw and isinstance(affine, dict)
+                       and _get(_get(uc, "affine_map"), "version") == 1):
         layout.world_size = mpw
         layout.parallel = {"tp": tp, "pp": pp}
-        # AutoTP records its partition rules as universal_checkpoint_info, which DeepSpeed's
-        # ds_to_universal applies (module_inject/layers.py collect_autotp_universal_checkpoint_
-        # info); shardscope reads the universal checkpoint that writes
-        how = ("convert it with DeepSpeed's ds_to_universal (the checkpoint records AutoTP's "
-               "universal_checkpoint_info) and merge that" if _get(
-                   model_states, "universal_checkpoint_info") is not None else
+        how = ("the checkpoint's AutoTP rules (universal_checkpoint_info) have no affine map "
+               "version 1; convert it with DeepSpeed's ds_to_universal and merge that"
+               if uc is not None else
                "the checkpoint records no rule to join the tensor-parallel ranks' slices")
         layout.problems.append(Problem(
             "unsupported-tp", f"DeepSpeed tensor parallelism (tp_degree {tp}, mp_world_size "
@@ -237,7 +237,7 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
                                        f"{ranks_found - 1}", model_file))
     prefix = "bf16_" if any(Path(f).name.startswith("bf16_") for f in optim.values()) else ""
     stages: list[dict] = []  # per pipeline stage: model states, groups by dp rank, files
-    for s in range(pp):
+    for s in range(mpw):  # pipeline stages, or AutoTP ranks
         st = {"model_file": None, "states": None, "groups": {}, "optim": {}, "model3": {}}
         stages.append(st)
         mf = model2.get(s) or model3.get((s, 0)) or str(d / f"mp_rank_{s:02d}_model_states.pt")
@@ -248,7 +248,9 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
             layout.files.append(sf)
             if sf.status == "missing":
                 layout.problems.append(Problem(
-                    "missing-stage", f"pipeline stage {s} of {pp}: no model states file", mf))
+                    "missing-stage", (f"pipeline stage {s} of {pp}" if pp > 1 else
+                                      f"tensor-parallel rank {s} of {tp}")
+                    + ": no model states file", mf))
             else:
                 try:
                     st["model_file"], st["states"] = mf, read_torch_archive(mf).root
@@ -261,7 +263,8 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
             st["optim"][r] = fpath
             sf = stat_file(fpath, r)
             layout.files.append(sf)
-            what = f"rank {r} of {world}" + (f", pipeline stage {s}" if pp > 1 else "")
+            what = f"rank {r} of {world}" + (f", pipeline stage {s}" if pp > 1 else
+                                              f", tensor-parallel rank {s}" if tp > 1 else "")
             if sf.status == "missing":
                 layout.problems.append(Problem("missing-rank", f"{what}: no optimizer file",
                                                fpath))
@@ -295,15 +298,22 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
                 except BadCheckpointError as e:
                     sf.status = "unreadable"
                     layout.problems.append(problem_for(e, mf))
-    layout.world_size = world * pp
+    layout.world_size = world * mpw
     layout.files.extend(stat_file(f) for _, f in sorted(layer_files.items()))
     layout.parallel = ({"dp": world} if stage < 3 else {"fsdp": world}) | (
-        {"pp": pp} if pp > 1 else {})
+        {"pp": pp} if pp > 1 else {}) | ({"tp": tp} if tp > 1 else {})
+    if tp > 1 and (weights == "module" or stage >= 3):
+        layout.problems.append(Problem(
+            "unsupported-tp", f"DeepSpeed tensor parallelism (AutoTP, tp_degree {tp}) is "
+            "supported for the fp32 master weights of ZeRO stages 1 and 2 only" + (
+                f", not stage {stage}" if stage >= 3 else ", not --weights module"), model_file))
+        return layout
     if weights == "module":
         return _module_weights(layout, stages, layer_files, stage)
     train = "bf16" if prefix else _module_dtype(model_states, layer_files)
     layout.notes.append(f"ZeRO stage {stage}; data-parallel world size {world}"
                         + (f"; {pp} pipeline stages (PipelineModule)" if pp > 1 else "")
+                        + (f"; AutoTP tensor parallelism {tp}" if tp > 1 else "")
                         + f"; training weights {train}, merged from the fp32 master copy")
     if layout.errors:
         return layout
@@ -317,6 +327,19 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
         if param_shapes is None:
             raise BadCheckpointError("no param_shapes in the model states", st["model_file"])
         shapes_of.append([param_shapes] if isinstance(param_shapes, dict) else param_shapes)
+    if tp > 1:
+        _autotp(layout, world, stages, shapes_of, affine, tp)
+        probe = CheckpointLayout(format="deepspeed", path=layout.path, world_size=world)
+        if _frozen(probe, stage, world, stages[0], set(layout.tensors), None) or any(
+                p.code == "frozen-excluded" for p in probe.problems):
+            layout.problems.append(Problem(
+                "unsupported-tp", "frozen parameters with DeepSpeed tensor parallelism (AutoTP) "
+                "are not supported", model_file))
+        _buffers_and_shared(layout, model_states, model_file, None)
+        if not layout.errors:
+            for t in layout.tensors.values():
+                layout.problems.extend(coverage_problems(t))
+        return layout
     tied = []
     for st, param_shapes in zip(stages, shapes_of):
         earlier = dict(layout.tensors)
@@ -401,6 +424,91 @@ def _universal(layout, d: Path, model_states, model_file: str) -> CheckpointLayo
         for t in layout.tensors.values():
             layout.problems.extend(coverage_problems(t))
     return layout
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def _unravel(offset: int, shape) -> tuple[int, ...]:
+    return tuple((offset // st) % n if n else 0 for st, n in zip(_contiguous(shape), shape))
+
+
+def _autotp(layout, world, stages, shapes_of, affine, tp) -> None:
+    """AutoTP: each TP rank's flat fp32 master (``param_shapes`` hold its slice shapes) placed
+    by the affine map AutoTP records in ``universal_checkpoint_info`` (DeepSpeed's
+    ``checkpoint/affine.py``, ``module_inject/layers.py``): per parameter (a regex) its
+    ``logical_shape`` and per rank ``pieces``, each a box of ``shape`` read at ``dest``
+    (offset, strides) in the rank's slice and written at ``source`` in the full tensor;
+    ``locations``: the ranks holding the same box (a replicated one is taken from the lowest)."""
+    rules = [(re.compile(p), spec) for p, spec in affine.items() if isinstance(p, str)]
+    for t, (st, param_shapes) in enumerate(zip(stages, shapes_of)):
+        shard = CheckpointLayout(format="deepspeed", path=layout.path, world_size=world)
+        _stage2(shard, world, param_shapes, st["groups"], st["optim"])
+        layout.problems.extend(shard.problems)
+        for name, sh in shard.tensors.items():
+            spec = next((sp for rx, sp in rules if rx.fullmatch(name)), None)
+            rank = _get(_get(spec, "ranks"), t) if spec is not None else None
+            if rank is None or tuple(_get(rank, "shard_shape") or ()) != sh.shape:
+                layout.problems.append(Problem(
+                    "unsupported-tp", f"{name}: AutoTP's affine map has no entry for "
+                    f"tensor-parallel rank {t}'s {sh.shape} slice", st["model_file"]))
+                continue
+            logical = tuple(spec["logical_shape"])
+            ti = layout.tensors.setdefault(name, TensorInfo(name, logical, sh.dtype,
+                                                            f"AutoTP, {tp} ranks"))
+            for ap in rank["pieces"]:
+                if min(ap["locations"]) != t:
+                    continue
+                (soff, sstr), (doff, dstr) = ap["source"], ap["dest"]
+                box = tuple(ap["shape"])
+                if (len(logical) > 2 or tuple(sstr) != _contiguous(logical)
+                        or tuple(dstr) != _contiguous(sh.shape)
+                        or any(p.stride[0] != 1 for p in sh.pieces)):
+                    layout.problems.append(Problem(
+                        "unsupported-tp", f"{name}: an AutoTP piece with strides {sstr}/{dstr} "
+                        "is not supported", st["model_file"]))
+                    break
+                for fp in sh.pieces:
+                    ti.pieces.extend(_boxes(fp, sh.shape, _unravel(doff, sh.shape), box,
+                                            _unravel(soff, logical)))
+
+
+def _boxes(fp: Piece, shard: tuple, dst: tuple, box: tuple, src: tuple) -> list[Piece]:
+    """The parts of flat piece ``fp`` (elements [a, b) of a C-contiguous 1-D or 2-D ``shard``)
+    inside the ``box`` at ``dst`` of the shard, as pieces at ``src + (position - dst)`` of the
+    full tensor: one range (1-D), or up to a partial first row, a block of whole rows and a
+    partial last row (2-D)."""
+    from ..dtypes import ITEMSIZE
+
+    size = ITEMSIZE[fp.dtype]
+    a = fp.global_offsets[0]
+    b = a + fp.shape[0]
+
+    def at(flat: int, shape: tuple, stride: tuple, goff: tuple) -> Piece:
+        return Piece(fp.file, fp.byte_offset + (flat - a) * size, fp.dtype, shape, stride, goff,
+                     fp.rank)
+
+    if len(shard) == 1:
+        lo, hi = max(a, dst[0]), min(b, dst[0] + box[0])
+        return [at(lo, (hi - lo,), (1,), (src[0] + lo - dst[0],))] if lo < hi else []
+    cols = shard[1]
+    (dr, dc), (nr, nc) = dst, box
+    first, last = max(dr, a // cols), min(dr + nr - 1, (b - 1) // cols)
+    out: list[Piece] = []
+    full0 = max(first, -(-(a - dc) // cols))
+    full1 = min(last, (b - dc - nc) // cols)
+    if full0 <= full1:
+        out.append(at(full0 * cols + dc, (full1 - full0 + 1, nc), (cols, 1),
+                      (src[0] + full0 - dr, src[1])))
+    for r in range(first, last + 1):
+        if full0 <= r <= full1:
+            continue
+        lo, hi = max(a, r * cols + dc), min(b, r * cols + dc + nc)
+        if lo < hi:
+            out.append(at(lo, (1, hi - lo), (cols, 1),
+                          (src[0] + r - dr, src[1] + lo - r * cols - dc)))
+    return out
 
 
 def _attach(layout, hf_config, root, d) -> None:
