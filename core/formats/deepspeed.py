@@ -15,6 +15,15 @@ checked on checkpoints written by DeepSpeed 0.19 on the CPU accelerator): a fold
   ``param_shapes`` order, contributes ``ceil(numel / W)`` elements per rank (the last rank
   padded), so the full parameter is the ranks' pieces concatenated and truncated to ``numel``.
 Every piece is a range of the flattened parameter (``TensorInfo.flat``).
+
+Beyond that (DeepSpeed 0.19 ``runtime/engine.py``, ``runtime/pipe/module.py``,
+``module_inject/layers.py``, ``checkpoint/ds_to_universal.py``, checked on real files):
+frozen parameters live outside the flat groups (see :func:`_frozen`); the model states record
+``mp_world_size`` and ``checkpoint_parallel_dimensions`` (``pp_degree``, ``tp_degree``); a
+``PipelineModule`` run has one ``mp_rank_{stage:02d}`` per stage (names ``<layer>.<param>``,
+module weights in ``layer_XX[-model_YY]-model_states.pt``); an AutoTP run one ``mp_rank_{t}``
+per TP rank with ``universal_checkpoint_info`` (its affine map, :func:`_autotp`); a universal
+checkpoint ``zero/<name>/fp32.pt`` per parameter (:func:`_universal`).
 """
 
 from __future__ import annotations
