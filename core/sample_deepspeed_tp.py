@@ -13,18 +13,19 @@ from .sample import Variant, _free_port, _hf_files, build_model
 from .sample_deepspeed import _env
 
 
-def write_autotp(root: str | os.PathLike, name: str, tp: int = 2, dtype: str = "F32",
-                 seed: int = 90) -> None:
-    """``root/<name>/`` (``tp`` processes, one data-parallel rank) and its unsharded
-    ``save_pretrained`` reference at ``root/<name>.reference/``."""
+def write_autotp(root: str | os.PathLike, name: str, tp: int = 2, dp: int = 1,
+                 dtype: str = "F32", seed: int = 90) -> None:
+    """``root/<name>/`` (``tp x dp`` processes: ``tp`` tensor-parallel ranks, ``dp``
+    data-parallel ranks) and its unsharded ``save_pretrained`` reference at
+    ``root/<name>.reference/``."""
     import torch.multiprocessing as mp
 
     Path(root).mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank, args=(tp, _free_port(), str(root), name, dtype, seed), nprocs=tp,
-                       start_method="spawn", join=True)
+    mp.start_processes(_rank, args=(tp * dp, _free_port(), str(root), name, tp, dtype, seed),
+                       nprocs=tp * dp, start_method="spawn", join=True)
 
 
-def _rank(rank, world, port, root, name, dtype, seed) -> None:
+def _rank(rank, world, port, root, name, tp, dtype, seed) -> None:
     _env(rank, world, port)
     import deepspeed
     import torch
@@ -38,7 +39,7 @@ def _rank(rank, world, port, root, name, dtype, seed) -> None:
         model.save_pretrained(Path(root) / f"{name}.reference")
         _hf_files(model, v, out / "huggingface")
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": world},
+              "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "bf16": {"enabled": dtype == "BF16"}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -347,19 +347,23 @@ def ds_autotp():
 
     key = hashlib.sha256((ROOT / "core" / "sample_deepspeed_tp.py").read_bytes()).hexdigest()[:8]
     return cached(_cache_root().with_name(f"{_cache_root().name}-deepspeed-autotp-{key}"),
-                  lambda tmp: write_autotp(tmp, "autotp2"), lock="lock-ds-autotp")
+                  lambda tmp: (write_autotp(tmp, "autotp2"),
+                               write_autotp(tmp, "autotp2-dp2", dp=2, seed=91)),
+                  lock="lock-ds-autotp")
 
 
-def test_autotp_merges_bit_exact(ds_autotp, tmp_path):
-    """AutoTP (tp 2, ZeRO-1): each TP rank's flat master slices placed by the affine map the
-    checkpoint records (rows, columns, the uneven vocabulary split 142/141, replicated norms
-    taken once), equal to the model."""
-    layout = detect(ds_autotp / "autotp2")
+@pytest.mark.parametrize("name,dp", [("autotp2", 1), ("autotp2-dp2", 2)])
+def test_autotp_merges_bit_exact(ds_autotp, tmp_path, name, dp):
+    """AutoTP (tp 2, ZeRO-1, 1 or 2 data-parallel ranks): each TP rank's flat master slices
+    placed by the affine map the checkpoint records (rows, columns, the uneven vocabulary
+    split 142/141, replicated norms taken once; with dp 2 slices cut mid-row by the ZeRO
+    partitions), equal to the model."""
+    layout = detect(ds_autotp / name)
     assert not layout.problems, layout.problems
-    assert layout.parallel.get("tp") == 2
+    assert layout.parallel.get("tp") == 2 and layout.parallel.get("dp") == dp
     run_merge(plan_merge(layout, MergeOptions(str(tmp_path / "o"))))
     got = load_file(tmp_path / "o" / "model.safetensors")
-    ref = load_file(ds_autotp / "autotp2.reference" / "model.safetensors")
+    ref = load_file(ds_autotp / f"{name}.reference" / "model.safetensors")
     assert set(got) == set(ref)
     for k, v in ref.items():
         assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k

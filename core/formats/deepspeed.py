@@ -206,6 +206,11 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
             "unsupported-moe", f"DeepSpeed MoE (expert parallelism: {moe[0]} and {len(moe) - 1} "
             "more expert files) is not supported", str(d / moe[0])))
         return layout
+    if not optim and not model3 and _get(model_states, "param_shapes") is None:
+        layout.problems.append(Problem(
+            "unsupported-layout", "a DeepSpeed checkpoint saved without ZeRO (no "
+            "zero_pp_rank_*_optim_states.pt beside it) is not supported", model_file))
+        return layout
     # model parallelism: mp_world_size = pp x tp (runtime/engine.py _checkpoint_parallel_metadata)
     mpw = max([_int(_get(model_states, "mp_world_size")) or 1]
               + [m + 1 for m, _ in optim] + [m + 1 for m in model2] + [m + 1 for m, _ in model3])
