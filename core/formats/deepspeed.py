@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import attach_config, problem_for, stat_file
+from .common import attach_config, contained, problem_for, stat_file
 from .torchsave import Record, TensorRef, read_torch_archive
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -74,7 +74,7 @@ def _tag_dir(path: Path) -> Path | None:
             return path
         for latest in (path / "latest", path / "latest_universal"):
             if latest.is_file():
-                d = path / latest.read_text().strip()
+                d = contained(path, latest.read_text().strip(), latest.name, latest)
                 if d.is_dir() and _is_tag_dir(d):
                     return d
     except OSError:
@@ -83,8 +83,12 @@ def _tag_dir(path: Path) -> Path | None:
 
 
 def sniff(path: str) -> bool:
-    """True for a DeepSpeed checkpoint folder (with ``latest``) or one of its step folders."""
-    return _tag_dir(Path(path)) is not None
+    """True for a DeepSpeed checkpoint folder (with ``latest``) or one of its step folders
+    (also when ``latest`` names a folder outside it: the reader then refuses, naming it)."""
+    try:
+        return _tag_dir(Path(path)) is not None
+    except BadCheckpointError:
+        return True
 
 
 def _get(d, key, default=None):
@@ -398,7 +402,7 @@ def _universal(layout, d: Path, model_states, model_file: str) -> CheckpointLayo
     if isinstance(frozen, dict):
         want.update({k: tuple(v) for k, v in frozen.items()})
     for sub in sorted((d / "zero").iterdir()):
-        f = sub / "fp32.pt"
+        f = contained(d, Path("zero", sub.name, "fp32.pt"), f"universal parameter {sub.name}")
         if not sub.is_dir() or (sub.name not in want and not f.is_file()):
             continue
         sf = stat_file(str(f))
