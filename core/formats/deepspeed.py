@@ -159,10 +159,11 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
 
     Pipeline parallelism (``PipelineModule``: one ``mp_rank_{stage}`` per pipeline stage, as
     the model states' ``checkpoint_parallel_dimensions``/``mp_world_size`` say) merges as the
-    union of the stages. A universal checkpoint (``ds_to_universal``'s ``zero/``) gives one full
-    tensor per parameter. Refused by name (error problems): tensor parallelism (``tp_degree`` >
-    1), DeepSpeed MoE expert files, frozen parameters excluded at save time
-    (``frozen-excluded``). ``hf_config``: the Hugging Face config folder to use (default: the
+    union of the stages; AutoTP tensor parallelism (ZeRO 1/2) by the affine map it records. A
+    universal checkpoint (``ds_to_universal``'s ``zero/``) gives one full tensor per parameter.
+    Refused by name (error problems): other tensor parallelism (``unsupported-tp``), DeepSpeed
+    MoE expert files (``unsupported-moe``), frozen parameters excluded at save time
+    (``frozen-excluded``), a run without ZeRO (``unsupported-layout``). ``hf_config``: the Hugging Face config folder to use (default: the
     checkpoint's ``huggingface/`` or a ``config.json`` beside it).
     Problems: missing or unreadable rank files, partitions whose sizes do not add up
     (``partition-mismatch``)."""
