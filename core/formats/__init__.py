@@ -45,7 +45,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
             from ..lora import detect_lora
 
             if mod.__name__.endswith(".deepspeed"):
-                layout = mod.read(str(p), weights=deepspeed_weights)
+                layout = mod.read(str(p), weights=deepspeed_weights, hf_config=hf_config)
             elif mod.__name__.endswith((".megatron_dist", ".megatron_legacy")):
                 layout = mod.read(str(p), hf_config=hf_config)
             elif mod.__name__.endswith(".hf_bin") and given.is_file() and not mod.is_folder(p):
