@@ -41,6 +41,10 @@ ORIG_RE = re.compile(r"^(?P<module>.+)\.original_module\.(?P<param>.+)$")
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
                  "lora_magnitude_vector")
 MODES = ("fold", "adapter", "both", "base")
+#: input/output embedding names whose base weights peft also saves in an adapter file when
+#: they carry LoRA (``peft.utils.constants.EMBEDDING_LAYER_NAMES``, used by
+#: ``get_peft_model_state_dict(save_embedding_layers="auto")``)
+EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 
 
 def _pattern_key(patterns, module: str) -> str:
@@ -277,6 +281,8 @@ def detect_lora(names_shapes: dict[str, tuple[int, ...]], folder: str,
             info.alpha_pattern = dict(c.get("alpha_pattern") or {})
             info.task_type = c.get("task_type") or "CAUSAL_LM"
             info.alpha_source = cfg[1] if info.lora_alpha is not None else None
+            if c.get("fan_in_fan_out"):
+                unsupported.add("fan_in_fan_out (weights stored transposed, e.g. GPT-2 Conv1D)")
             for mod, r in sorted(ranks.items()):
                 key = _pattern_key(info.rank_pattern, mod) if info.rank_pattern else mod
                 want = info.rank_pattern.get(key, info.r)
@@ -328,6 +334,10 @@ def detect_lora(names_shapes: dict[str, tuple[int, ...]], folder: str,
         if set(info.dora) & set(info.embeddings):
             unsupported.add("DoRA on embeddings")
         adapters[aname] = info
+    if lora_only:
+        problems.append(("lora-adapter-only", "the checkpoint holds LoRA adapter tensors only "
+                         "(no base weights, as verl's save_lora_only writes): merging needs "
+                         "--base-model DIR", "warning"))
     return LoraInfo(adapters, sorted(unsupported), problems, lora_only)
 
 

@@ -308,6 +308,14 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
             for kind, t in parts.items():
                 atensors.append(OutputTensor(lora_mod.adapter_key(module, kind), t.shape,
                                              t.dtype, t, located(t)))
+        for module in sorted(lora_src, key=natural_key):
+            # peft's save_pretrained (save_embedding_layers="auto") keeps the base weights of
+            # a LoRA-wrapped input/output embedding in the adapter file as well
+            if module.rsplit(".", 1)[-1] in lora_mod.EMBEDDING_LAYER_NAMES:
+                for out_name in sorted(n for n in mapping if n.rsplit(".", 1)[0] == module):
+                    t = sources[mapping[out_name]]
+                    key = f"{lora_mod.PREFIX}{module}.base_layer.{out_name.rsplit('.', 1)[1]}"
+                    atensors.append(OutputTensor(key, t.shape, t.dtype, t, located(t)))
         for name, t in sorted(layout.tensors.items()):
             key = lora_mod.saved_module_key(name, adapter.name)
             if key is not None:  # the trained copy of a modules_to_save module
