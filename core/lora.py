@@ -48,7 +48,7 @@ EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 
 
 def _pattern_key(patterns, module: str) -> str:
-    """The ``rank_pattern``/``alpha_pattern`` key that applies to ``module`` (a path without
+    r"""The ``rank_pattern``/``alpha_pattern`` key that applies to ``module`` (a path without
     ``base_model.model.``), or ``module`` itself when none does: the first key ``k`` for which
     ``re.match(rf"(.*\.)?({k})$", module)`` matches, as peft's
     ``peft.utils.other.get_pattern_key`` decides (a test checks this against peft's own

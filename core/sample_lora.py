@@ -5,7 +5,9 @@ adapter-only saves), each beside peft's own answers. Used by the tests only.
 Each spec is written by ``world_size`` gloo processes on the CPU (``torch.multiprocessing``,
 ``spawn``), in verl's layout (``model_world_size_{W}_rank_{r}.pt``, ``fsdp_config.json``,
 ``huggingface/``, ``lora_train_meta.json``; with ``adapter_config`` also
-``lora_adapter/adapter_config.json`` as verl saves it). Beside ``root/<name>/``:
+``lora_adapter/adapter_config.json`` as verl saves it), or with ``kind="dcp"`` as one
+``torch.distributed.checkpoint`` save (``.metadata``, ``*.distcp``) beside the same LoRA
+files. Beside ``root/<name>/``:
 
 - ``<name>.reference/``: ``save_pretrained`` of the base model before peft wrapped it;
 - ``<name>.fold/``: peft's ``merge_and_unload()`` then ``save_pretrained``;
@@ -36,6 +38,10 @@ SPECS: dict[int, list[dict]] = {
              lora=dict(r=6, lora_alpha=12, target_modules=["embed_tokens", "q_proj"])),
         dict(name="w2-lora-only", seed=52, family="llama", layers=3, hidden=40, lora_only=True,
              lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
+        dict(name="w2-lora-dcp-patterns", seed=57, layers=2, hidden=32, kind="dcp",
+             adapter_config=True,
+             lora=dict(r=6, lora_alpha=9, target_modules=["q_proj", "o_proj", "down_proj"],
+                       rank_pattern={"down_proj": 3}, alpha_pattern={"o_proj": 4})),
         dict(name="w2-lora-moe-params", seed=53, moe=True,
              lora=dict(r=4, lora_alpha=8, target_modules=["q_proj"],
                        target_parameters=["mlp.experts.gate_up_proj",
@@ -169,6 +175,11 @@ def _write(rank: int, world: int, root: Path, spec: dict) -> None:
     sd = pm.state_dict()
     if spec.get("lora_only"):  # verl's save_lora_only: the adapter tensors alone
         sd = {k: t for k, t in sd.items() if "lora_" in k}
+    if spec.get("kind") == "dcp":  # torch.distributed.checkpoint of the model state dict
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(dict(sd), checkpoint_id=str(out))
+        return
     torch.save(sd, out / f"model_world_size_{world}_rank_{rank}.pt")
     if rank == 0:
         (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2,

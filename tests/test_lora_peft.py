@@ -2,7 +2,7 @@
 rsLoRA, DoRA, embedding LoRA, LoRA on fused expert parameters, adapter-only checkpoints. Real
 peft models sharded by FSDP2 on gloo (2 and 3 ranks, :mod:`core.sample_lora`); folds compared
 bit for bit with peft's ``merge_and_unload``, exported adapters by outputs after loading in
-peft."""
+peft. One is a DCP save (torch.distributed.checkpoint) instead of verl's rank files."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from conftest import ROOT, copy_checkpoint
 from core import MergeOptions, UsageError, detect, plan_merge, run_merge
 from test_lora import exact
 
-FOLDED = ["w2-lora-patterns", "w2-lora-embed", "w3-lora-rslora-patterns-bf16",
-          "w3-lora-dora-bf16", "w3-lora-embed-bf16-tied"]
+FOLDED = ["w2-lora-patterns", "w2-lora-dcp-patterns", "w2-lora-embed",
+          "w3-lora-rslora-patterns-bf16", "w3-lora-dora-bf16", "w3-lora-embed-bf16-tied"]
 
 
 def merge(src, out, **kw):
@@ -52,7 +52,7 @@ def test_each_module_has_peft_s_rank_and_scale(lora_root):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    for name in ("w2-lora-patterns", "w3-lora-rslora-patterns-bf16"):
+    for name in ("w2-lora-patterns", "w2-lora-dcp-patterns", "w3-lora-rslora-patterns-bf16"):
         a = detect(lora_root / name).lora.adapters["default"]
         assert a.alpha_source == "lora_adapter/adapter_config.json"
         peft_model = PeftModel.from_pretrained(
