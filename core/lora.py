@@ -127,7 +127,8 @@ class AdapterInfo:
                 s = self.scale_for(m)
             except ValueError:
                 s = None
-            out[(m.rsplit(".", 1)[-1], self.ranks.get(m, self.r), s)] += 1
+            short = re.sub(r"(\.base_layer)+$", "", m).rsplit(".", 1)[-1]  # nested wrappers
+            out[(short, self.ranks.get(m, self.r), s)] += 1
         return [(k[0], k[1], k[2], n) for k, n in sorted(out.items(), key=lambda kv: kv[0][:2])]
 
 
@@ -319,6 +320,12 @@ def detect_lora(names_shapes: dict[str, tuple[int, ...]], folder: str,
             if nested or (targets and any(mod.endswith(t.rsplit(".", 1)[0]) for t in targets)) \
                     or (bases and not plain):
                 info.params.append(mod)
+        for mod in info.params:  # a ParamWrapper's lora_A holds r rows per expert
+            experts = {shp[0] for n, shp in ((_strip(k), v) for k, v in names_shapes.items())
+                       if n.startswith(f"{mod}.base_layer.") and len(shp) == 3
+                       and not _kind_parts(n)}
+            if len(experts) == 1 and ranks.get(mod, 0) % next(iter(experts)) == 0:
+                ranks[mod] //= next(iter(experts))
         if info.params:
             shown = set()
             for mod in info.params:

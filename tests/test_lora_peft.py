@@ -222,3 +222,20 @@ def test_lora_on_expert_parameters_is_refused_by_name_and_base_strips_every_wrap
     memory = load_file(lora_root / "w2-lora-moe-params.memory" / "model.safetensors")
     saved = load_file(lora_root / "w2-lora-moe-params.reference" / "model.safetensors")
     exact(got, memory if set(got) == set(memory) else saved)
+
+
+@pytest.mark.asyncio
+async def test_merge_form_takes_the_base_model_of_an_adapter_only_checkpoint(lora_root,
+                                                                             tmp_path):
+    from test_app import open_form, open_inspector, refused, run_to_end
+    from tui.app import make_app
+
+    app = make_app(str(lora_root / "w2-lora-only"))
+    async with app.run_test(size=(120, 50)) as pilot:
+        await open_inspector(pilot, app)
+        form = await open_form(pilot, app, tmp_path / "out")
+        await refused(pilot, form, "#base-model", "", "--base-model")
+        form.query_one("#base-model").value = str(lora_root / "w2-lora-only.reference")
+        await run_to_end(pilot, app)
+    exact(load_file(tmp_path / "out" / "model.safetensors"),
+          load_file(lora_root / "w2-lora-only.fold" / "model.safetensors"))
