@@ -245,9 +245,10 @@ def detect_lora(names_shapes: dict[str, tuple[int, ...]], folder: str,
             mags.setdefault(m["adapter"], set()).add(m["module"])
         elif m := LORA_BIAS_RE.match(n):
             unsupported.add(f"LoRA bias (lora_bias=True, {m['module']}.lora_B.bias)")
-        elif m := SAVE_RE.match(n):
+        elif m := SAVE_RE.match(n):  # the trained copy: adapter state, not base weights
             saves.setdefault(m["adapter"], set()).add(m["module"])
-            other = True
+        elif ".token_adapter." in f".{n}":
+            unsupported.add("trainable tokens (peft trainable_token_indices)")
         else:
             other = True
     if not mods:
@@ -354,8 +355,9 @@ def output_name(name: str, mode: str, adapter: str) -> str | None:
     ``modules_to_save`` module). Every ``base_layer`` level is removed (peft nests one per
     wrapper, e.g. ``experts.base_layer.base_layer.gate_up_proj``)."""
     n = _strip(name)
-    if _kind_parts(n) or LORA_BIAS_RE.match(n):
+    if _kind_parts(n) or LORA_BIAS_RE.match(n) or ".trainable_tokens_" in n:
         return None
+    n = n.replace(".token_adapter.base_layer.", ".base_layer.")  # trainable tokens' wrapper
     n = re.sub(r"\.base_layer(?=\.)", "", n)
     folded = mode in ("fold", "both")
     if m := SAVE_RE.match(n):

@@ -55,6 +55,9 @@ SPECS: dict[int, list[dict]] = {
                        rank_pattern={"gate_proj": 4}, alpha_pattern={"q_proj": 32})),
         dict(name="w3-lora-dora-bf16", seed=55, dtype="BF16", layers=2, hidden=48,
              lora=dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj"])),
+        dict(name="w3-lora-tokens", seed=58, layers=2, hidden=32,
+             lora=dict(r=4, lora_alpha=8, target_modules=["q_proj"],
+                       trainable_token_indices=[3, 5, 7])),
         dict(name="w3-lora-embed-bf16-tied", seed=56, dtype="BF16", tie=True, layers=3,
              hidden=32, lora=dict(r=5, lora_alpha=10, target_modules=["embed_tokens",
                                                                        "v_proj"])),
@@ -98,7 +101,7 @@ def _add_lora(model, spec: dict):
     torch.manual_seed(spec["seed"] + 100)
     with torch.no_grad():
         for name, p in pm.named_parameters():
-            if "lora_B" in name or "lora_embedding" in name:
+            if "lora_B" in name or "lora_embedding" in name or "trainable_tokens" in name:
                 p.copy_(torch.randn_like(p) * 0.05)
             elif "lora_magnitude_vector" in name:
                 p.mul_(1 + torch.randn_like(p) * 0.1)

@@ -239,3 +239,13 @@ async def test_merge_form_takes_the_base_model_of_an_adapter_only_checkpoint(lor
         await run_to_end(pilot, app)
     exact(load_file(tmp_path / "out" / "model.safetensors"),
           load_file(lora_root / "w2-lora-only.fold" / "model.safetensors"))
+
+
+def test_trainable_tokens_are_refused_by_name_and_base_keeps_the_embedding(lora_root, tmp_path):
+    ck = lora_root / "w3-lora-tokens"
+    assert detect(ck).lora.unsupported == ["trainable tokens (peft trainable_token_indices)"]
+    r = cli("merge", ck, "-o", tmp_path / "f", "--lora", "fold")
+    assert r.returncode == 2 and "trainable tokens" in r.stderr
+    merge(ck, tmp_path / "b", lora="base")
+    exact(load_file(tmp_path / "b" / "model.safetensors"),
+          load_file(lora_root / "w3-lora-tokens.reference" / "model.safetensors"))
