@@ -249,3 +249,17 @@ def test_trainable_tokens_are_refused_by_name_and_base_keeps_the_embedding(lora_
     merge(ck, tmp_path / "b", lora="base")
     exact(load_file(tmp_path / "b" / "model.safetensors"),
           load_file(lora_root / "w3-lora-tokens.reference" / "model.safetensors"))
+
+
+def test_inspect_of_patterns_stays_free_of_torch(lora_root):
+    """Per-module ranks and scales come from metadata alone: no torch, transformers or peft."""
+    code = ("import sys, json; from core import detect; "
+            f"l = detect({str(lora_root / 'w2-lora-patterns')!r}); "
+            "d = l.to_dict()['lora']['adapters']['default']; print(l.lora.summary()); "
+            "print(json.dumps(d['groups'])); "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    summary, groups, imported = r.stdout.splitlines()
+    assert imported == "[]" and "v_proj r=8 scale=3" in summary
+    assert {"module": "k_proj", "r": 2, "scale": 8.0, "count": 3} in json.loads(groups)
