@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dtypes import FLOATING, ITEMSIZE, USER_DTYPES
+from .dtypes import CASTABLE, ITEMSIZE, USER_DTYPES
 from .errors import BadCheckpointError, OutputExistsError, UsageError
 from .formats.common import config_files, read_config
 from . import lora as lora_mod
@@ -27,7 +27,8 @@ class MergeOptions:
     """What the user asked for.
 
     ``output``: the folder to write. ``dtype``: ``None`` keeps each tensor's dtype, else one of
-    ``bf16``/``fp16``/``fp32`` (floating-point tensors only). ``max_shard_size``: bytes or a
+    ``bf16``/``fp16``/``fp32`` (F64/F32/F16/BF16 tensors only, ``dtypes.CASTABLE``: float8,
+    integer and boolean tensors are written as stored). ``max_shard_size``: bytes or a
     string such as ``"5GB"`` (decimal units, as huggingface_hub). ``hf_config``: a folder whose
     config/tokenizer files are copied (never its weights). ``workers``: threads moving bytes.
     """
@@ -200,7 +201,11 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     """
     out = Path(options.output)
     check_output(out, options.overwrite, layout.path)
-    if (layout.format.startswith("megatron") and options.hf_config
+    from .native_names import DETAIL as NATIVE
+
+    native = NATIVE in layout.details or any(p.code == "native-names-no-config"
+                                             for p in layout.problems)
+    if ((layout.format.startswith("megatron") or native) and options.hf_config
             and Path(layout.config_dir or "").resolve() != Path(options.hf_config).resolve()):
         from .formats import detect  # the cut into Hugging Face tensors depends on the config
 
@@ -284,7 +289,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     folded: set[str] = set()
     for out_name in sorted(mapping, key=natural_key):
         t = sources[mapping[out_name]]
-        dtype = target if target and t.dtype in FLOATING else t.dtype
+        dtype = target if target and t.dtype in CASTABLE else t.dtype
         ot = OutputTensor(out_name, t.shape, dtype, t, located(t))
         module = out_name.rsplit(".", 1)[0]
         if mode in ("fold", "both") and out_name.endswith(".weight") and module in lora_src:
@@ -430,7 +435,7 @@ def _base_model(path: str):
     if not Path(path, "config.json").is_file():
         raise UsageError("is not a Hugging Face model folder (no config.json)", path)
     base = detect(path)
-    if base.format != "hf":
+    if base.format not in ("hf", "hf-bin"):
         raise UsageError(f"is a {base.format} checkpoint, not a Hugging Face model folder",
                          path)
     if base.lora is not None:

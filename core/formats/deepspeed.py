@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import attach_config, problem_for, stat_file
+from .common import attach_config, contained, problem_for, stat_file
 from .torchsave import Record, TensorRef, read_torch_archive
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -41,7 +41,7 @@ def _tag_dir(path: Path) -> Path | None:
         latest = path / "latest"
         if latest.is_file():
             tag = latest.read_text().strip()
-            d = path / tag
+            d = contained(path, tag, "latest", latest)
             if d.is_dir() and any(OPTIM_RE.match(n.name) for n in d.iterdir()):
                 return d
     except OSError:
@@ -50,8 +50,12 @@ def _tag_dir(path: Path) -> Path | None:
 
 
 def sniff(path: str) -> bool:
-    """True for a DeepSpeed checkpoint folder (with ``latest``) or one of its step folders."""
-    return _tag_dir(Path(path)) is not None
+    """True for a DeepSpeed checkpoint folder (with ``latest``) or one of its step folders
+    (also when ``latest`` names a folder outside it: the reader then refuses, naming it)."""
+    try:
+        return _tag_dir(Path(path)) is not None
+    except BadCheckpointError:
+        return True
 
 
 def _get(d, key, default=None):
