@@ -246,13 +246,43 @@ def assemble_bytes(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src:
     return full
 
 
-def fold_lora(w, a, b, scale: float, out_dtype):
-    """``W + (B @ A) * scale`` computed in float32 and cast once to ``out_dtype``, in the order
-    peft's ``merge_and_unload`` uses (delta in the adapter's fp32, one rounding at the end)."""
+def fold_lora(w, a, b, scale: float, out_dtype, kind: str = "linear", magnitude=None):
+    """One adapter folded into weight ``w`` with peft's own operations and dtypes, so the
+    result equals ``merge_and_unload`` bit for bit (peft 0.21 ``tuners/lora/layer.py``
+    ``Linear.merge``/``Embedding.merge``/``get_delta_weight``, ``tuners/lora/variants.py``
+    ``DoraLinearVariant.merge_unsafe``, ``tuners/lora/dora.py`` ``get_weight_norm``):
+
+    - the delta is ``(B @ A) * scale`` (``linear``) or ``(B @ A).T * scale`` (``embedding``)
+      in the adapter's dtype; a bf16/fp16 adapter is multiplied in float32 and the delta cast
+      back to the adapter's dtype (peft does so on the CPU);
+    - ``linear``: ``W += delta`` in place (a bf16 weight plus an fp32 delta rounds once);
+      ``embedding``: ``W += delta.to(W.dtype)``;
+    - ``dora``: ``norm = ||W + delta||`` per row (``torch.linalg.norm(dim=1)``, in the sum's
+      dtype), ``W' = (magnitude / norm).view(-1, 1) * (W + delta)`` cast to ``W``'s dtype.
+
+    Then cast to ``out_dtype`` (``--dtype``). Shapes: ``w`` (out, in), ``a`` (r, in), ``b``
+    (out, r); for ``embedding`` ``w`` (num_embeddings, dim), ``a`` (r, num_embeddings),
+    ``b`` (dim, r); ``magnitude`` (out,)."""
     import torch
 
-    delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
-    return (w.to(torch.float32) + delta).to(out_dtype)
+    lora_dtype = a.dtype if kind == "embedding" else b.dtype
+    cast = lora_dtype in (torch.float16, torch.bfloat16)
+    if cast:
+        a, b = a.float(), b.float()
+    delta = ((b @ a).T if kind == "embedding" else b @ a) * scale
+    if cast:
+        delta = delta.to(dtype=lora_dtype)
+    w = w.clone()
+    if kind == "embedding":
+        w += delta.to(w.dtype)
+    elif kind == "dora":
+        summed = w + 1 * delta
+        norm = torch.linalg.norm(summed, dim=1).to(summed.dtype)
+        factor = (magnitude / norm).view(-1, 1)
+        w = (factor * (w + delta)).to(w.dtype)
+    else:
+        w += delta
+    return w.to(out_dtype)
 
 
 def _row_blocks(t: OutputTensor) -> bool:
@@ -304,11 +334,13 @@ class _Writer:
             w = assemble(t.pieces, t.shape, t.source.dtype, self.src, t.source.flat)
             a = assemble(f.a_pieces, f.a.shape, f.a.dtype, self.src, f.a.flat)
             b = assemble(f.b_pieces, f.b.shape, f.b.dtype, self.src, f.b.flat)
-            x = fold_lora(w, a, b, f.scale, torch_dtype(t.dtype)).contiguous()
+            m = (assemble(f.m_pieces, f.magnitude.shape, f.magnitude.dtype, self.src,
+                          f.magnitude.flat) if f.magnitude is not None else None)
+            x = fold_lora(w, a, b, f.scale, torch_dtype(t.dtype), f.kind, m).contiguous()
             import torch
 
             _pwrite_all(dst, x.reshape(-1).view(torch.uint8).numpy(), offset)
-            for p in (*t.pieces, *f.a_pieces, *f.b_pieces):
+            for p in (*t.pieces, *f.a_pieces, *f.b_pieces, *f.m_pieces):
                 self._report(p, 0)
             self._report(None, t.nbytes)
         elif _row_blocks(t):

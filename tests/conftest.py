@@ -170,6 +170,29 @@ def models_root() -> Path:
     return cached(_cache_root().parent / f"models-{key}", write, "lock-models")
 
 
+@pytest.fixture(scope="session")
+def lora_root() -> Path:
+    """Folder holding every spec of :mod:`core.sample_lora` (real peft models sharded by
+    FSDP2 on gloo, with peft's merge_and_unload, adapter folder and the untouched base beside
+    each), cached like :func:`fixtures_root`."""
+    from importlib.metadata import version
+
+    import torch
+
+    from core.sample_lora import SPECS, write_lora_checkpoints
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("peft"), version("transformers"),
+         (ROOT / "core" / "sample_lora.py").read_text(),
+         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        for world, specs in SPECS.items():
+            write_lora_checkpoints(tmp, world, specs)
+
+    return cached(_cache_root().parent / f"lora-{key}", write, lock="lock-lora")
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)

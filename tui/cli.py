@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--lora-adapter", metavar="NAME", help="which adapter, when there are several")
     m.add_argument("--lora-alpha", type=float,
                    help="the run's lora_alpha, when the checkpoint does not record it")
+    m.add_argument("--lora-config", metavar="FILE",
+                   help="the adapter's own adapter_config.json (or its folder), when it is not "
+                        "at lora_adapter/ beside the checkpoint: each module's rank and alpha "
+                        "(rank_pattern, alpha_pattern), rsLoRA")
+    m.add_argument("--base-model", metavar="DIR",
+                   help="the Hugging Face folder of the base weights, for a checkpoint that "
+                        "holds the LoRA adapter only (verl's save_lora_only)")
     m.add_argument("--hf-upload", metavar="REPO_ID",
                    help="after the merge passes verification, upload it to this Hub repository "
                         "(token from HF_TOKEN or `hf auth login`; HF_ENDPOINT for a private hub)")
@@ -252,6 +259,7 @@ def cmd_merge(args) -> int:
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
                         workers=max(1, args.workers), lora=args.lora,
                         lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
+                        lora_config=args.lora_config, base_model=args.base_model,
                         model_card=not args.no_card, hf_upload=repo_id, private=args.private)
     plan = plan_merge(layout, opts)
     for w in plan.warnings:

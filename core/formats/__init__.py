@@ -61,6 +61,11 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
             layout.problems.extend(config_problems(layout))
             layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
                                       layout.path)
+            if layout.lora is not None:
+                from ..layout import Problem
+
+                layout.problems.extend(Problem(code, msg, layout.path, sev)
+                                       for code, msg, sev in layout.lora.problems)
             return layout
     inside = _checkpoints_inside(p)
     if inside:
