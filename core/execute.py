@@ -128,6 +128,15 @@ class _Sources:
                     raise BadCheckpointError(f"cannot open: {e.strerror}", path) from None
             return fd
 
+    def read(self, path: str, n: int, offset: int):
+        """``n`` bytes of ``path`` from byte ``offset`` (a buffer; core/distributed.py
+        overrides it to fetch the bytes of files held by another node)."""
+        return _pread_exact(self.fd(path), n, offset, path)
+
+    def local(self, path: str) -> bool:
+        """True when ``path`` is a file on this machine (one the kernel may copy from)."""
+        return True
+
     def close(self):
         for fd in self.fds.values():
             os.close(fd)
@@ -183,11 +192,11 @@ def _piece_bytes(p: Piece, src: _Sources):
 
     size = ITEMSIZE[p.dtype]
     if p.contiguous:
-        return np.frombuffer(_pread_exact(src.fd(p.file), p.nbytes, p.byte_offset, p.file),
+        return np.frombuffer(src.read(p.file, p.nbytes, p.byte_offset),
                              dtype=np.uint8)
     n = _span(p)
     word = np.dtype(f"<u{size}")
-    buf = np.frombuffer(_pread_exact(src.fd(p.file), n * size, p.byte_offset, p.file),
+    buf = np.frombuffer(src.read(p.file, n * size, p.byte_offset),
                         dtype=word, count=n)
     part = np.lib.stride_tricks.as_strided(buf, p.shape, [st * size for st in p.stride])
     return np.ascontiguousarray(part).reshape(-1).view(np.uint8)
@@ -204,7 +213,7 @@ def _piece_tensor(p: Piece, src: _Sources):
     n = _span(p)
     if n == 0:
         return torch.empty(p.shape, dtype=torch_dtype(p.dtype))
-    buf = _pread_exact(src.fd(p.file), n * ITEMSIZE[p.dtype], p.byte_offset, p.file)
+    buf = src.read(p.file, n * ITEMSIZE[p.dtype], p.byte_offset)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         flat = torch.frombuffer(buf, dtype=torch_dtype(p.dtype), count=n)
@@ -239,7 +248,7 @@ def assemble_bytes(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src:
         if p.numel == 0:
             continue
         n = _span(p)
-        buf = np.frombuffer(_pread_exact(src.fd(p.file), n * size, p.byte_offset, p.file),
+        buf = np.frombuffer(src.read(p.file, n * size, p.byte_offset),
                             dtype=word, count=n)
         part = np.lib.stride_tricks.as_strided(buf, p.shape, [st * size for st in p.stride])
         view[tuple(slice(o, o + k) for o, k in zip(p.global_offsets, p.shape))] = part
@@ -300,9 +309,10 @@ def _row_blocks(t: OutputTensor) -> bool:
 
 
 class _Writer:
-    def __init__(self, plan: MergePlan, on_progress, cancel: threading.Event, log):
+    def __init__(self, plan: MergePlan, on_progress, cancel: threading.Event, log,
+                 sources: _Sources | None = None):
         self.plan, self.on_progress, self.cancel, self.log = plan, on_progress, cancel, log
-        self.src = _Sources()
+        self.src = sources or _Sources()
         self.lock = threading.Lock()
         self.written = 0
         self.done = 0
@@ -349,7 +359,7 @@ class _Writer:
                 if self.cancel.is_set():
                     raise MergeCancelled("merge cancelled")
                 out_bytes = p.numel * ITEMSIZE[t.dtype]
-                if p.dtype == t.dtype and p.contiguous:
+                if p.dtype == t.dtype and p.contiguous and self.src.local(p.file):
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
                 elif p.dtype == t.dtype or {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
                     # numpy, not torch: same bits, and no 2 s torch import for a cast or a
@@ -396,14 +406,17 @@ class _Writer:
 
 def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | None = None,
               cancel: threading.Event | None = None,
-              log: Callable[[str], None] | None = None) -> MergeResult:
+              log: Callable[[str], None] | None = None,
+              sources: _Sources | None = None) -> MergeResult:
     """Write the planned Hugging Face folder.
 
     ``on_progress`` is called from worker threads (make it thread-safe); ``cancel`` is checked
     between tensors and pieces; ``log`` receives one line per step (for ``--verbose``).
     Raises :class:`MergeCancelled` when cancelled, :class:`BadCheckpointError` on a read
     failure, :class:`OutputExistsError` when the output appeared meanwhile; in every case the
-    temporary folder is removed and nothing is left at the output.
+    temporary folder is removed and nothing is left at the output. ``sources``: where source
+    bytes are read (default: local files; core/distributed.py passes one that fetches the
+    pieces other nodes hold).
     """
     cancel = cancel or threading.Event()
     opts = plan.options
@@ -422,7 +435,7 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     except OSError as e:
         raise UsageError(f"cannot write beside the output: {e.strerror}", str(out)) from None
     t0 = time.perf_counter()
-    w = _Writer(plan, on_progress, cancel, log)
+    w = _Writer(plan, on_progress, cancel, log, sources)
     try:
         written = []
         with ThreadPoolExecutor(max(1, opts.workers), thread_name_prefix="shardscope") as pool:

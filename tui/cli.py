@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--commit-message", help="the upload's commit message")
     m.add_argument("--no-card", action="store_true",
                    help="do not write a model card (README.md) into the output")
+    m.add_argument("--distributed", action="store_true",
+                   help="run as one process of a torchrun/srun launch (one per node): each "
+                        "reads the rank files on its own disk under PATH (which may hold "
+                        "{node_rank}, {rank}, {local_rank}), rank 0 writes OUT and receives "
+                        "the pieces it lacks over gloo; per-rank FSDP files only")
     m.add_argument("-v", "--verbose", action="store_true", help="log each step")
     m.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     # verl.model_merger's flags
@@ -248,6 +253,8 @@ def cmd_merge(args) -> int:
         raise UsageError("usage: shardscope merge PATH -o OUT (or --local_dir X --target_dir Y)")
     err = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the width
     log = (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False)) if args.verbose else None
+    if args.distributed:
+        return _merge_distributed(args, path, output, repo_id, err, log)
     if log:
         log(f"reading the layout of {path}")
     started = time.perf_counter()
@@ -289,6 +296,52 @@ def cmd_merge(args) -> int:
     if repo_id:
         return _verified_upload(result.output, repo_id, args.private, args.revision,
                                 args.commit_message)
+    return 0
+
+
+def _merge_distributed(args, path, output, repo_id, err, log) -> int:
+    """``merge --distributed``: this process's part of a merge spread over a launch's nodes
+    (core/distributed.py). The writer (rank 0) prints the usual summary, every other process
+    one line of what it sent."""
+    import signal
+
+    from core import MergeOptions, UsageError
+    from core.distributed import merge_distributed
+
+    for flag, given in (("--deep", args.deep), ("--hf-upload", repo_id), ("--tag", args.tag)):
+        if given:
+            raise UsageError(f"{flag} is not supported with --distributed yet")
+    opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                        overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
+                        workers=max(1, args.workers), lora=args.lora,
+                        lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
+                        lora_config=args.lora_config, base_model=args.base_model,
+                        model_card=not args.no_card)
+    cancel = threading.Event()
+
+    def stop(signum, frame):
+        cancel.set()
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    started = time.perf_counter()
+    try:
+        info, result, stats = merge_distributed(path, opts, log=log, cancel=cancel,
+                                                hf_config=args.hf_config or args.hf_model_path)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    from tui.format import human_bytes
+
+    if result is None:
+        print(f"{info.label}: sent {stats[0]} pieces ({human_bytes(stats[1])}) of the rank "
+              f"files under {info.path} to the writer (rank 0)")
+        return 0
+    for w in result.warnings:
+        err.print(f"[yellow]warning:[/] {w}", highlight=False)
+    print(f"{info.label}: wrote {result.output}: {len(result.files)} safetensors file(s), "
+          f"{result.tensors} tensors, {human_bytes(result.tensor_bytes)} in "
+          f"{time.perf_counter() - started:.2f} s")
     return 0
 
 

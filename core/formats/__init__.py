@@ -40,10 +40,6 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
     _wrong_folder(p)
     for _, mod in _readers():
         if mod.sniff(str(p)) or (mod.__name__.endswith(".hf_bin") and mod.sniff(str(given))):
-            from ..checks import config_problems
-
-            from ..lora import detect_lora
-
             if mod.__name__.endswith(".deepspeed"):
                 layout = mod.read(str(p), weights=deepspeed_weights, hf_config=hf_config)
             elif mod.__name__.endswith((".megatron_dist", ".megatron_legacy")):
@@ -55,18 +51,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
             if mod.__name__.endswith(".dcp") and not layout.tensors:
                 _optimizer_folder(p)
             _files_inside(layout, p)
-            from ..native_names import convert as convert_native_names
-
-            convert_native_names(layout, hf_config)  # torchtitan/torchtune names -> HF
-            layout.problems.extend(config_problems(layout))
-            layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
-                                      layout.path)
-            if layout.lora is not None:
-                from ..layout import Problem
-
-                layout.problems.extend(Problem(code, msg, layout.path, sev)
-                                       for code, msg, sev in layout.lora.problems)
-            return layout
+            return finish_layout(layout, hf_config)
     inside = _checkpoints_inside(p)
     if inside:
         raise BadCheckpointError("not a checkpoint itself; these folders inside it are: "
@@ -77,6 +62,25 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
         "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors, "
         "pytorch_model.bin, a single .pt/.pth)",
         str(given), code="not-a-checkpoint")
+
+
+def finish_layout(layout: CheckpointLayout, hf_config: str | None = None) -> CheckpointLayout:
+    """The steps :func:`detect` takes after a reader: torchtitan/torchtune names mapped to
+    Hugging Face's, config problems, LoRA adapters found. Also run on the union of several
+    nodes' layouts by core/distributed.py. Returns ``layout``, changed in place."""
+    from ..checks import config_problems
+    from ..lora import detect_lora
+    from ..native_names import convert as convert_native_names
+
+    convert_native_names(layout, hf_config)  # torchtitan/torchtune names -> HF
+    layout.problems.extend(config_problems(layout))
+    layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()}, layout.path)
+    if layout.lora is not None:
+        from ..layout import Problem
+
+        layout.problems.extend(Problem(code, msg, layout.path, sev)
+                               for code, msg, sev in layout.lora.problems)
+    return layout
 
 
 def _files_inside(layout: CheckpointLayout, root: Path) -> None:

@@ -294,8 +294,12 @@ def _mesh_parallel(shape, names, kinds: dict[int, set[str]]) -> dict[str, int]:
     return par
 
 
-def read(path: str) -> CheckpointLayout:
+def read(path: str, present_only: bool = False) -> CheckpointLayout:
     """Read the layout of a per-rank FSDP folder (metadata only: the pickles, never tensor data).
+
+    ``present_only``: read the rank files that are here and judge nothing that needs the
+    others (no ``missing-rank``, ``key-mismatch`` or coverage problems): the set is judged on
+    the union of several nodes' layouts (core/distributed.py, ``merge --distributed``).
 
     Problems found (missing ranks, mixed world sizes, fsdp_config.json disagreeing, unreadable
     files, ranks that disagree, pieces that do not tile a tensor) are recorded in
@@ -346,6 +350,8 @@ def read(path: str) -> CheckpointLayout:
                 else f"pytorch_model_fsdp_{min(groups)}_rank{r}.bin")
         fpath = files.get(r, str(root / name))
         sf = stat_file(fpath, r)
+        if present_only and sf.status == "missing":
+            continue
         layout.files.append(sf)
         if sf.status == "missing":
             if n_missing <= MAX_LISTED_PROBLEMS:
@@ -362,7 +368,7 @@ def read(path: str) -> CheckpointLayout:
             sf.status = "unreadable"
             layout.problems.append(Problem("unreadable-file", f"unexpected content "
                                            f"({type(e).__name__}: {e})", fpath))
-    if n_missing > MAX_LISTED_PROBLEMS:
+    if n_missing > MAX_LISTED_PROBLEMS and not present_only:
         layout.problems.append(Problem(
             "missing-rank", f"{n_missing} of {world} ranks are missing (e.g. ranks "
             f"{', '.join(map(str, missing[:8]))})", str(root)))
@@ -377,7 +383,7 @@ def read(path: str) -> CheckpointLayout:
         layout.parallel = {"fsdp": world}
     all_keys = set().union(*b.keys_by_rank.values()) if b.keys_by_rank else set()
     for r, keys in sorted(b.keys_by_rank.items()):
-        if keys != all_keys:
+        if keys != all_keys and not present_only:
             miss = sorted(all_keys - keys)
             layout.problems.append(Problem(
                 "key-mismatch", f"rank {r} lacks {len(miss)} keys (e.g. {miss[0]})", files.get(r)))
@@ -390,7 +396,9 @@ def read(path: str) -> CheckpointLayout:
             f"flat parameters (e.g. {example}) hold the model's tensors flattened, and the files "
             "do not record their names or shapes; unsupported: save with "
             "StateDictType.SHARDED_STATE_DICT or FULL_STATE_DICT", str(root)))
-    if not any(p.code in ("missing-rank", "unreadable-file", "truncated-file", "unsafe-pickle")
+    if present_only:
+        layout.keys_by_rank = b.keys_by_rank  # for the union's key check
+    elif not any(p.code in ("missing-rank", "unreadable-file", "truncated-file", "unsafe-pickle")
                for p in layout.problems):
         for t in layout.tensors.values():
             layout.problems.extend(coverage_problems(t))
