@@ -128,3 +128,30 @@ def test_path_placeholders_come_from_the_launcher():
 
     with pytest.raises(UsageError):
         process_info("/d/{host}", env)
+
+
+def test_process_lost_mid_merge_leaves_nothing(fixtures_root, tmp_path):
+    """Rank 1's files are cut short after it has read their layout (it logs that with -v) and
+    before the writer asks for their bytes: rank 1 stops naming the file, the writer loses it
+    mid-merge, and neither OUT nor a temporary folder is left."""
+    node_disks(fixtures_root / "w4-fsdp2", tmp_path / "ckpt", [[0, 1], [2, 3]])
+    out = tmp_path / "out"
+    procs = launch(2, "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out),
+                   "--distributed", "-v")
+    lines = []
+    for line in procs[1].stderr:
+        lines.append(line)
+        if "read " in line:
+            break
+    else:
+        pytest.fail("".join(lines))
+    for f in (tmp_path / "ckpt" / "node1").glob("model_world_size_4_rank_*.pt"):
+        os.truncate(f, 4096)
+    results = [p.communicate(timeout=600) for p in procs]
+    err0, err1 = results[0][1], "".join(lines) + results[1][1]
+    assert procs[1].returncode == 3, err1
+    assert "node1/model_world_size_4_rank_" in err1 and "truncated" in err1, err1
+    assert procs[0].returncode == 1, err0
+    assert "lost rank 1" in err0 and "nothing was written" in err0, err0
+    assert "Traceback" not in err0 + err1
+    assert not out.exists() and not list(tmp_path.glob(".out.shardscope-tmp-*"))
