@@ -147,8 +147,14 @@ def union_layout(parts: list[tuple[ProcessInfo, CheckpointLayout]], template: st
     (``missing-rank`` otherwise, naming who holds what), every tensor's pieces tiling it.
     Deterministic, so every process computes the same union."""
     writer_info, writer = parts[0]
+    from .formats.fsdp import ACCELERATE_RE
+
     worlds = sorted({lay.world_size for _, lay in parts if lay.world_size})
     world = worlds[0] if worlds else 0
+    if worlds and all(ACCELERATE_RE.match(Path(f.path).name) for _, lay in parts
+                      for f in lay.files):
+        # accelerate's names hold no world size: each process took its highest rank + 1
+        world, worlds = worlds[-1], worlds[-1:]
     out = CheckpointLayout(format="fsdp", path=template, world_size=world)
     out.config_dir, out.extra_files = writer.config_dir, list(writer.extra_files)
     out.notes = list(writer.notes)
