@@ -166,3 +166,30 @@ def test_process_lost_mid_merge_leaves_nothing(fixtures_root, tmp_path):
     assert "lost rank 1" in err0 and "nothing was written" in err0, err0
     assert "Traceback" not in err0 + err1
     assert not out.exists() and not list(tmp_path.glob(".out.shardscope-tmp-*"))
+
+
+def _parts(root: Path, n: int):
+    from core.distributed import ProcessInfo, read_local
+
+    infos = [ProcessInfo(r, n, r, 0, "host", str(root / f"node{r}")) for r in range(n)]
+    return [(i, read_local(i)) for i in infos]
+
+
+def test_union_is_judged_in_process(fixtures_root, tmp_path):
+    """The union without a process group: rank files of two world sizes, and a config folder
+    the writer lacks, are named."""
+    from core.distributed import union_layout
+
+    node_disks(fixtures_root / "w4-fsdp2", tmp_path / "a", [[0, 1], [2, 3]], config_on=(1,))
+    u = union_layout(_parts(tmp_path / "a", 2), "a/node{rank}")
+    assert [p.code for p in u.layout.errors] == ["no-config"], u.layout.errors
+    assert "on rank 1 (node 1, host) only" in u.layout.errors[0].message
+    assert u.remote == {1: sorted(str(tmp_path / "a" / "node1" / f"model_world_size_4_rank_{r}.pt")
+                                 for r in (2, 3))}
+    assert u.held == {0: [0, 1], 1: [2, 3]}
+
+    node_disks(fixtures_root / "w4-fsdp2", tmp_path / "b", [[0, 1, 2, 3]])
+    node_disks(fixtures_root / "w3-llama-f32", tmp_path / "c", [[], [0, 1, 2]], config_on=())
+    shutil.copytree(tmp_path / "c" / "node1", tmp_path / "b" / "node1")
+    u = union_layout(_parts(tmp_path / "b", 2), "b/node{rank}")
+    assert "world-size-mismatch" in [p.code for p in u.layout.errors], u.layout.errors
