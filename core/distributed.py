@@ -349,14 +349,17 @@ def _raise(err: tuple[int, str, str | None, str], prefix: str = "") -> None:
 
 
 def merge_distributed(path: str, options, log=None, on_progress=None, cancel=None,
-                      hf_config: str | None = None, timeout_s: float = 1800.0):
+                      hf_config: str | None = None, timeout_s: float | None = None):
     """Merge a checkpoint whose rank files are spread over the nodes of a launch.
 
     Called by every process of the launch with the same arguments. Returns
     ``(info, result, stats)``: on the writer ``result`` is the :class:`MergeResult` and
     ``stats`` None; on the others ``result`` is None and ``stats`` (pieces, bytes) they sent.
     Raises on every process the same error when the union is incomplete or bad (exit 3), when
-    planning fails, or when the writer fails.
+    planning fails, or when the writer fails. ``timeout_s``: how long one collective or one
+    piece request may wait (gloo's timeout; a process serving pieces waits between the
+    writer's requests while it writes its own pieces), default ``SHARDSCOPE_DIST_TIMEOUT``
+    seconds or 4 hours.
     """
     from datetime import timedelta
 
@@ -369,6 +372,11 @@ def merge_distributed(path: str, options, log=None, on_progress=None, cancel=Non
     if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
         raise UsageError("--distributed: MASTER_ADDR and MASTER_PORT are not set (torchrun sets "
                          "them; with srun export them)")
+    if timeout_s is None:
+        try:
+            timeout_s = float(os.environ.get("SHARDSCOPE_DIST_TIMEOUT", 4 * 3600))
+        except ValueError:
+            raise UsageError("SHARDSCOPE_DIST_TIMEOUT must be a number of seconds") from None
     dist.init_process_group("gloo", init_method="env://", rank=info.rank,
                             world_size=info.world_size, timeout=timedelta(seconds=timeout_s))
     try:
