@@ -62,6 +62,8 @@ class InspectorScreen(Screen):
     def __init__(self, layout: CheckpointLayout):
         super().__init__()
         self.ckpt = layout
+        #: the tensor whose statistics the panel shows or is reading (None: no tensor)
+        self.stats_for: str | None = None
         # set before mount: a title set in on_mount races the Header's own mount
         self.title = f"shardscope — {os.path.basename(os.path.abspath(layout.path))}"
 
@@ -141,9 +143,11 @@ class InspectorScreen(Screen):
         table.clear()
         if not isinstance(t, TensorInfo):
             table.border_title = "pieces of the selected tensor"
+            self._reset_stats(None)
             return
         table.border_title = f"{t.name}: {list(t.shape)} {t.dtype} {t.placement}" + (
             f" ← {t.source}" if t.source and t.source != t.name else "")
+        self._reset_stats(t)
         for p in sorted(t.pieces, key=lambda p: p.global_offsets):
             table.add_row("" if p.rank is None else str(p.rank), str(list(p.global_offsets)),
                           str(list(p.shape)),
@@ -154,12 +158,26 @@ class InspectorScreen(Screen):
         node = self.query_one("#params", ParamTree).cursor_node
         return node.data if node is not None and isinstance(node.data, TensorInfo) else None
 
+    def _reset_stats(self, t: TensorInfo | None) -> None:
+        """Statistics belong to one tensor: on a new selection the panel names it and drops
+        the previous tensor's numbers (a computation still running for it is cancelled)."""
+        box = self.query_one("#stats", Static)
+        if self.stats_for == (t.name if t else None):
+            return
+        self.stats_for = t.name if t else None
+        self.workers.cancel_group(self, "stats")
+        box.border_title = f"statistics of {t.name}" if t else "statistics"
+        box.update(f"[dim]s: read {t.name} and show its statistics[/]" if t
+                   else "[dim]s: statistics of the selected tensor[/]")
+
     def action_stats(self) -> None:
         t = self.selected_tensor()
         box = self.query_one("#stats", Static)
         if t is None:
             box.update("[yellow]select a tensor first[/]")
             return
+        self.stats_for = t.name
+        box.border_title = f"statistics of {t.name}"
         box.update(f"reading {t.name} from {len(t.pieces)} piece(s)…")
         self.compute_stats(t.name)
 
@@ -177,7 +195,8 @@ class InspectorScreen(Screen):
 
     @on(StatsComputed)
     def _stats_computed(self, msg: StatsComputed) -> None:
-        self.query_one("#stats", Static).update(msg.text)
+        if msg.name == self.stats_for:  # late numbers of a tensor no longer selected: dropped
+            self.query_one("#stats", Static).update(msg.text)
 
     def action_merge(self) -> None:
         from tui.screens.merge_options import MergeOptionsScreen

@@ -1,0 +1,94 @@
+"""Pilot tests of what a new user tripped on in the app (issue 16), on real checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import copy_checkpoint, wait_for
+from tui.app import make_app
+from tui.screens.browser import BrowserScreen
+from tui.screens.inspector import InspectorScreen
+from tui.widgets.param_tree import ParamTree
+
+
+def _walk(node):
+    yield node
+    for c in node.children:
+        yield from _walk(c)
+
+
+async def select(pilot, tree: ParamTree, name: str) -> None:
+    """Move the tree's cursor to the tensor ``name`` (expanding its parents)."""
+    def there() -> bool:
+        cur = tree.cursor_node
+        if cur is not None and cur.data is not None and cur.data.name == name:
+            return True
+        node = next((n for n in _walk(tree.root) if n.data is not None and n.data.name == name),
+                    None)
+        if node is not None:
+            p = node.parent
+            while p is not None:
+                p.expand()
+                p = p.parent
+            tree.move_cursor(node)
+        return False
+
+    await wait_for(pilot, there, tries=200)
+
+
+@pytest.mark.asyncio
+async def test_statistics_follow_the_selection(fixtures_root):
+    """Item 1: the panel is titled with its tensor; moving on drops the old numbers."""
+    app = make_app(str(fixtures_root / "w3-llama-f32"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        screen = app.screen
+        tree = screen.query_one("#params", ParamTree)
+        box = screen.query_one("#stats")
+        await select(pilot, tree, "model.embed_tokens.weight")
+        await pilot.press("s")
+        await wait_for(pilot, lambda: "mean" in str(box.render()), tries=200)
+        assert box.border_title == "statistics of model.embed_tokens.weight"
+        await select(pilot, tree, "model.norm.weight")
+        await pilot.pause(0.1)
+        assert box.border_title == "statistics of model.norm.weight"
+        assert "mean" not in str(box.render())
+        assert "model.norm.weight" in str(box.render())
+        await pilot.press("s")
+        await wait_for(pilot, lambda: "mean" in str(box.render()), tries=200)
+    from safetensors.torch import load_file
+
+    norm = load_file(fixtures_root / "w3-llama-f32.reference" / "model.safetensors")[
+        "model.norm.weight"].double()
+    assert f"min {float(norm.min()):.4g}" in str(box.render())
+
+
+@pytest.mark.asyncio
+async def test_browser_marks_every_folder_and_goes_up(fixtures_root, tmp_path):
+    """Items 3 and 5: each listed folder is sniffed without the cursor visiting it; a folder
+    of step folders names them; Backspace shows the parent."""
+    runs = tmp_path / "run"
+    runs.mkdir()
+    copy_checkpoint(fixtures_root / "w2-qwen2-f32", runs / "global_step_10")
+    copy_checkpoint(fixtures_root / "w3-llama-f32", runs / "global_step_20")
+    (runs / "logs").mkdir()
+    app = make_app(str(runs))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, BrowserScreen))
+        screen = app.screen
+        s10, s20 = str(runs / "global_step_10"), str(runs / "global_step_20")
+        await wait_for(pilot, lambda: s10 in screen.marks and s20 in screen.marks
+                       and str(runs) in screen.marks, tries=300)
+        assert screen.marks[s10] == "fsdp, 2 rank(s)"
+        assert screen.marks[s20] == "fsdp, 3 rank(s)"
+        assert screen.marks[str(runs / "logs")] == ""
+        screen.highlighted = str(runs)
+        screen._show(str(runs))
+        text = str(screen.query_one("#detected").render())
+        assert "no checkpoint here; checkpoints inside: global_step_10, global_step_20" in text
+        await pilot.press("backspace")
+        tree = screen.query_one("#tree")
+        await wait_for(pilot, lambda: str(tree.path) == str(tmp_path))
+        await wait_for(pilot, lambda: str(runs) in [str(c.data.path) for c in tree.root.children
+                                                    if c.data is not None])
+        assert screen.path == str(tmp_path)
