@@ -92,3 +92,88 @@ async def test_browser_marks_every_folder_and_goes_up(fixtures_root, tmp_path):
         await wait_for(pilot, lambda: str(runs) in [str(c.data.path) for c in tree.root.children
                                                     if c.data is not None])
         assert screen.path == str(tmp_path)
+
+
+async def open_form(pilot, app, out):
+    from tui.screens.merge_options import MergeOptionsScreen
+
+    await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+    await pilot.press("m")
+    await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+    app.screen.query_one("#output").value = str(out)
+    return app.screen
+
+
+@pytest.mark.asyncio
+async def test_failed_merge_shows_whole_error_and_stops(fixtures_root, tmp_path):
+    """Item 2: a shard damaged after inspection makes the merge fail in the run screen; the
+    bars stop, the message is shown whole, escape goes back."""
+    from textual.widgets import ProgressBar
+
+    from tui.screens.merge_run import MergeRunScreen
+
+    src = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / ("a-folder-name-long-enough-to-wrap-" * 3))
+    app = make_app(str(src))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_form(pilot, app, tmp_path / "out")
+        shard = src / "model_world_size_2_rank_1.pt"
+        shard.write_bytes(shard.read_bytes()[:1000])  # cut after the inspection
+        await pilot.click("#ok")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
+        run = app.screen
+        await wait_for(pilot, lambda: run.finished, tries=400)
+        assert "the merge failed" in str(run.query_one("#status").render())
+        result = str(run.query_one("#result").render())
+        assert str(shard) in result and "escape: back" in result
+        assert all(bar.total is not None for bar in run.query(ProgressBar))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.asyncio
+async def test_form_refuses_a_checkpoint_with_errors(fixtures_root, tmp_path):
+    """Item 2 (better): the form lists the inspection's errors and will not start."""
+    from textual.widgets import Button
+
+    src = copy_checkpoint(fixtures_root / "w3-llama-f32", tmp_path / "ck")
+    next(src.glob("*rank_2*")).unlink()
+    app = make_app(str(src))
+    async with app.run_test(size=(80, 24)) as pilot:
+        form = await open_form(pilot, app, tmp_path / "out")
+        assert app.screen.ckpt.errors
+        text = str(form.query_one("#refusal").render())
+        assert "cannot merge" in text and app.screen.ckpt.errors[0].code in text
+        assert form.query_one("#ok", Button).disabled
+        form.query_one("#output").focus()
+        await pilot.press("enter")  # submitting from a field is refused as well
+        await pilot.pause(0.1)
+        assert form is app.screen and "cannot be merged" in str(form.query_one("#error").render())
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.asyncio
+async def test_form_labels_lora_fields_and_speaks_its_own_words(fixtures_root, tmp_path):
+    """Item 6: the LoRA inputs are labelled, the heading is whole, errors name the form's
+    checkbox and fields, not the command line's flags."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    app = make_app(str(fixtures_root / "w2-lora-qv"))
+    async with app.run_test(size=(80, 24)) as pilot:
+        form = await open_form(pilot, app, tmp_path / "out")
+        heading = str(form.query_one("#lora-heading").render())
+        assert heading.endswith(form.ckpt.lora.summary())
+        labels = [str(w.render()) for w in form.query("#lora-row Label")]
+        assert labels == ["adapter", "lora_alpha (the run's value)"]
+        form.query_one("#output").focus()
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        err = str(form.query_one("#error").render())
+        assert "tick “overwrite an existing output”" in err and "--" not in err
+        form.query_one("#lora-alpha").value = "0"
+        form.query_one("#overwrite").value = True
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        err = str(form.query_one("#error").render())
+        assert "lora_alpha must be positive" in err and "--" not in err
+        assert form.query_one("#ok").region.bottom <= 24  # the buttons are on the screen
