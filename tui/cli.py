@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--params", action="store_true", help="list every tensor")
+    i.add_argument("--map", metavar="TENSOR", action="append",
+                   help="draw how TENSOR is cut: a block per stored piece, by rank and device "
+                        "mesh coordinate (repeatable)")
     i.add_argument("--tag", help="DeepSpeed: the step folder to read instead of `latest`")
     i.add_argument("--hf-config", metavar="DIR",
                    help="Megatron: the Hugging Face config folder to map names with (else "
@@ -224,6 +227,12 @@ def cmd_inspect(args) -> int:
             raise
         print(json.dumps(_refusal_json(args.path, e), indent=2))
         return e.exit_code
+    for name in args.map or ():
+        if name not in layout.tensors:
+            from core import UsageError
+
+            raise UsageError(f"no tensor named {name!r} (inspect --params lists them)",
+                             layout.path)
     deep_done = False
     if args.deep and not any(p.code in ("missing-rank", "missing-file", "unsafe-pickle")
                              for p in layout.errors):
@@ -243,6 +252,10 @@ def cmd_inspect(args) -> int:
         from tui.render import render_layout
 
         render_layout(layout, Console(), params=args.params)
+        for name in args.map or ():
+            from tui.sharding_map import ShardingMap
+
+            Console().print(ShardingMap(layout.tensors[name], layout, height=12))
     return 3 if layout.errors else 0
 
 
