@@ -177,3 +177,33 @@ async def test_form_labels_lora_fields_and_speaks_its_own_words(fixtures_root, t
         err = str(form.query_one("#error").render())
         assert "lora_alpha must be positive" in err and "--" not in err
         assert form.query_one("#ok").region.bottom <= 24  # the buttons are on the screen
+
+
+def test_help_lists_every_binding():
+    """Item 7: every key a screen binds is in the help, and tab, space, s, n are explained."""
+    from tui.screens.browser import BrowserScreen
+    from tui.screens.help import KEYS
+    from tui.screens.merge_run import MergeRunScreen
+
+    listed = {k.strip() for _, rows in KEYS for keys, _ in rows for k in keys.split(",")}
+    names = {"slash": "/", "question_mark": "?"}
+    for screen in (BrowserScreen, InspectorScreen, MergeRunScreen):
+        for b in screen.BINDINGS:
+            for key in b.key.split(","):
+                assert names.get(key, key) in listed, (screen.__name__, key)
+    assert {"tab", "space", "s", "n", "v", "backspace"} <= listed
+
+
+@pytest.mark.asyncio
+async def test_help_fits_80x24(fixtures_root):
+    """Item 7: at 80x24 the help is inside the screen and scrolls to its last line."""
+    app = make_app(str(fixtures_root / "w2-qwen2-f32"))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        await pilot.press("question_mark")
+        await pilot.pause(0.2)
+        box = app.screen.query_one("#help")
+        assert box.region.right <= 80 and box.region.bottom <= 24
+        await pilot.press("end")
+        await pilot.pause(0.2)
+        assert box.scroll_y == box.max_scroll_y > 0
