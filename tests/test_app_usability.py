@@ -207,3 +207,21 @@ async def test_help_fits_80x24(fixtures_root):
         await pilot.press("end")
         await pilot.pause(0.2)
         assert box.scroll_y == box.max_scroll_y > 0
+
+
+def test_summary_labels_never_touch_their_values(megatron_root):
+    """Item 8: on a Megatron layout (the longest labels: "tied embeddings", "virtual
+    stages"...), every label is followed by at least two spaces before its value."""
+    pytest.importorskip("megatron.core")
+    from rich.text import Text
+
+    from core import detect
+    from tui.widgets.layout_summary import summary_text
+
+    layout = detect(str(megatron_root / "llama" / "tp2_pp2" / "legacy"))
+    labels = ["format", "world size", "device mesh", "tensors", "config", *layout.details]
+    lines = Text.from_markup(summary_text(layout)).plain.splitlines()
+    assert "tied embeddings" in layout.details
+    for label in labels:
+        line = next(line for line in lines if line.startswith(label + " "))
+        assert line.startswith(label + "  "), line
