@@ -52,6 +52,10 @@ def _check_crc(path: str, base: int, length: int) -> list[Problem]:
         try:
             zf = zipfile.ZipFile(_Window(f, base, length))
         except (zipfile.BadZipFile, OSError, ValueError) as e:
+            f.seek(base)
+            if base == 0 and f.read(1) == b"\x80":  # legacy (non-zip) torch.save: no CRC
+                return [Problem("no-checksum", "legacy (non-zip) torch.save file: it records "
+                                "no CRC-32, flipped bytes cannot be found", path, "warning")]
             return [Problem("unreadable-file", f"not a zip archive at byte {base} ({e})", path)]
         for info in zf.infolist():
             if "/data/" not in info.filename and not info.filename.startswith("data/"):

@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--lora-adapter", metavar="NAME", help="which adapter, when there are several")
     m.add_argument("--lora-alpha", type=float,
                    help="the run's lora_alpha, when the checkpoint does not record it")
+    m.add_argument("--lora-config", metavar="FILE",
+                   help="the adapter's own adapter_config.json (or its folder), when it is not "
+                        "at lora_adapter/ beside the checkpoint: each module's rank and alpha "
+                        "(rank_pattern, alpha_pattern), rsLoRA")
+    m.add_argument("--base-model", metavar="DIR",
+                   help="the Hugging Face folder of the base weights, for a checkpoint that "
+                        "holds the LoRA adapter only (verl's save_lora_only)")
     m.add_argument("--hf-upload", metavar="REPO_ID",
                    help="after the merge passes verification, upload it to this Hub repository "
                         "(token from HF_TOKEN or `hf auth login`; HF_ENDPOINT for a private hub)")
@@ -296,7 +303,9 @@ def cmd_merge(args) -> int:
                     hf_config=args.hf_config or args.hf_model_path)
     if layout.lora is None:
         given = [f for f, v in (("--lora-alpha", args.lora_alpha),
-                                ("--lora-adapter", args.lora_adapter)) if v is not None]
+                                ("--lora-adapter", args.lora_adapter),
+                                ("--lora-config", args.lora_config),
+                                ("--base-model", args.base_model)) if v is not None]
         if given:
             raise UsageError(f"{' and '.join(given)} given, but this checkpoint holds no LoRA "
                              "adapter", layout.path)
@@ -306,6 +315,7 @@ def cmd_merge(args) -> int:
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
                         workers=args.workers, lora=args.lora,
                         lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
+                        lora_config=args.lora_config, base_model=args.base_model,
                         model_card=not args.no_card, hf_upload=repo_id, private=args.private)
     plan = plan_merge(layout, opts)
     for w in plan.warnings:

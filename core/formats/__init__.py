@@ -45,7 +45,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
             from ..lora import detect_lora
 
             if mod.__name__.endswith(".deepspeed"):
-                layout = mod.read(str(p), weights=deepspeed_weights)
+                layout = mod.read(str(p), weights=deepspeed_weights, hf_config=hf_config)
             elif mod.__name__.endswith((".megatron_dist", ".megatron_legacy")):
                 layout = mod.read(str(p), hf_config=hf_config)
             elif mod.__name__.endswith(".hf_bin") and given.is_file() and not mod.is_folder(p):
@@ -55,9 +55,17 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
             if mod.__name__.endswith(".dcp") and not layout.tensors:
                 _optimizer_folder(p)
             _files_inside(layout, p)
+            from ..native_names import convert as convert_native_names
+
+            convert_native_names(layout, hf_config)  # torchtitan/torchtune names -> HF
             layout.problems.extend(config_problems(layout))
             layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
                                       layout.path)
+            if layout.lora is not None:
+                from ..layout import Problem
+
+                layout.problems.extend(Problem(code, msg, layout.path, sev)
+                                       for code, msg, sev in layout.lora.problems)
             return layout
     inside = _checkpoints_inside(p)
     if inside:

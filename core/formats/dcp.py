@@ -274,7 +274,9 @@ def make_resolver():
         if dtype != p.dtype or shape != tuple(chunk):
             raise BadCheckpointError(f"chunk at byte {start} holds {list(shape)} {dtype}, "
                                      f".metadata says {list(chunk)} {p.dtype}", p.file)
-        if p.byte_offset == 0 and p.shape == shape:  # the whole chunk, any strides
+        if p.byte_offset == 0 and p.shape == shape and p.stride == c_strides(shape):
+            # the whole chunk, any strides (a strided selection of it, e.g. rows permuted by
+            # core/native_names.py, keeps its own strides below)
             return replace(p, byte_offset=offset, stride=stride, archive=None)
         numel = 1
         for s in shape:

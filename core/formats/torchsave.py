@@ -281,9 +281,12 @@ class RestrictedUnpickler(pickle.Unpickler):
             "load it (it could run code)", self.path)
 
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        # zip archives: ('storage', cls, key, location, numel); the legacy (non-zip) format
+        # adds view metadata, None for a whole storage (torch/serialization.py _legacy_save)
+        if not (isinstance(pid, tuple) and pid[:1] == ("storage",) and (
+                len(pid) == 5 or (len(pid) == 6 and pid[5] is None))):
             raise BadCheckpointError(f"unexpected persistent id {pid!r}", self.path)
-        _, cls, key, location, numel = pid
+        _, cls, key, location, numel = pid[:5]
         dtype = cls[1] if isinstance(cls, tuple) else "U8"
         ref = self.storages.get(key)
         if ref is None:
@@ -366,8 +369,7 @@ def _read_archive(path: str, base: int, length: int | None) -> TorchArchive:
             infos = {i.filename: i for i in zf.infolist()}
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             if base == 0 and _is_legacy_pickle(f):
-                raise BadCheckpointError("legacy (non-zip) torch.save format is not supported; "
-                                         "re-save it with a current torch", path) from None
+                return _read_legacy(f, path, size)
             raise BadCheckpointError(f"not a torch.save archive ({e}); truncated or corrupt?",
                                      path) from None
         pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
@@ -428,3 +430,62 @@ def _is_legacy_pickle(f) -> bool:
     f.seek(0)
     head = f.read(2)
     return len(head) == 2 and head[0] == 0x80  # a bare pickle protocol header
+
+
+#: the legacy (non-zip) torch.save header: magic number and protocol version
+#: (torch/serialization.py: MAGIC_NUMBER, PROTOCOL_VERSION)
+LEGACY_MAGIC, LEGACY_PROTOCOL = 0x1950A86A20F9469CFC6C, 1001
+
+
+def _read_legacy(f, path: str, size: int) -> TorchArchive:
+    """Read a legacy (non-zip, ``_use_new_zipfile_serialization=False``) ``torch.save`` file.
+
+    Format facts (torch/serialization.py ``_legacy_save``; checked on files written by torch
+    2.13): five pickles and raw data in a row: the magic number, the protocol version, a
+    ``sys_info`` dict (``little_endian``), the object (persistent ids ``('storage', cls, key,
+    location, numel, None)``), the sorted list of storage keys; then for each key in that
+    order an 8-byte little-endian element count followed by the storage's bytes."""
+    from ..dtypes import ITEMSIZE
+
+    try:
+        f.seek(0)
+        magic = RestrictedUnpickler(f, path, {}).load()
+        proto = RestrictedUnpickler(f, path, {}).load()
+        info = RestrictedUnpickler(f, path, {}).load()
+        if magic != LEGACY_MAGIC or proto != LEGACY_PROTOCOL or not isinstance(info, dict):
+            raise BadCheckpointError("not a torch.save file (a pickle without torch's magic "
+                                     "number)", path)
+        if not info.get("little_endian", True):
+            raise BadCheckpointError("big-endian archives are not supported", path)
+        storages: dict[str, StorageRef] = {}
+        root = RestrictedUnpickler(f, path, storages).load()
+        keys = RestrictedUnpickler(f, path, {}).load()
+    except (UnsafeCheckpointError, BadCheckpointError):
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure on untrusted bytes means corrupt
+        raise BadCheckpointError(f"corrupt pickle in legacy torch.save file "
+                                 f"({type(e).__name__}: {e}); truncated or corrupt?",
+                                 path) from None
+    if not isinstance(keys, list) or set(map(str, keys)) != set(map(str, storages)):
+        raise BadCheckpointError("legacy torch.save file: its storage list does not match "
+                                 "the storages its object names", path)
+    pos = f.tell()
+    for key in keys:
+        ref = storages[key]
+        if ref.dtype not in ITEMSIZE or not isinstance(ref.numel, int) or ref.numel < 0:
+            raise BadCheckpointError(f"storage {key}: corrupt record", path)
+        f.seek(pos)
+        head = f.read(8)
+        if len(head) < 8:
+            raise BadCheckpointError(f"storage {key} starts at byte {pos} but the file has "
+                                     f"{size}: truncated", path)
+        (numel,) = struct.unpack("<q", head)
+        if numel != ref.numel:
+            raise BadCheckpointError(f"storage {key} holds {numel} elements, {ref.numel} "
+                                     "expected", path)
+        ref.data_offset, ref.data_bytes = pos + 8, numel * ITEMSIZE[ref.dtype]
+        pos = ref.data_offset + ref.data_bytes
+        if pos > size:
+            raise BadCheckpointError(f"storage {key} ends at byte {pos} but the file has "
+                                     f"{size}: truncated", path)
+    return TorchArchive(path, root, storages)

@@ -28,6 +28,8 @@ FORM_WORDS = [
     ("--lora-adapter NAME", "the adapter field"),
     ("--lora-adapter", "adapter"),
     ("--lora-alpha", "lora_alpha"),
+    ("--lora-config", "the adapter_config.json field"),
+    ("--base-model", "the base model folder field"),
     ("--lora base", "“base alone”"),
     ("--hf-config DIR", "the config folder field"),
     ("--hf-config", "the config folder field"),
@@ -101,6 +103,16 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                             alpha = lora.adapters[names[0]].lora_alpha if names else None
                             yield Input("" if alpha is None else f"{alpha:g}",
                                         placeholder="e.g. 16", id="lora-alpha")
+                    with Horizontal(id="lora-files-row"):
+                        with Vertical():
+                            yield Label("adapter_config.json (if not in lora_adapter/)")
+                            yield Input("", placeholder="path to adapter_config.json",
+                                        id="lora-config")
+                        if lora.lora_only:
+                            with Vertical():
+                                yield Label("base model folder (adapter-only checkpoint)")
+                                yield Input("", placeholder="folder with the base weights",
+                                            id="base-model")
                 yield Label("Hub repo to upload to after verification (optional)")
                 with Horizontal(id="upload-row"):
                     yield Input("", placeholder="my-org/my-model", id="hf-upload")
@@ -154,6 +166,12 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                     opts.lora_alpha = float(alpha)
                 except ValueError:
                     raise UsageError(f"lora_alpha {alpha!r} is not a number") from None
+                recorded = {a.lora_alpha for a in self.ckpt.lora.adapters.values()}
+                if opts.lora_alpha in recorded:
+                    opts.lora_alpha = None  # the recorded value, not the user's override
+            opts.lora_config = self.query_one("#lora-config", Input).value.strip() or None
+            if self.query("#base-model"):
+                opts.base_model = self.query_one("#base-model", Input).value.strip() or None
         # the same checks the merge makes, so a bad choice is refused here and not later
         from core.plan import lora_choice
 
