@@ -119,3 +119,15 @@ async def test_map_tab_follows_the_selection(fixtures_root):
         view = screen.query_one("#map")
         assert view.tensor.name == "model.layers.1.mlp.up_proj.weight"
         assert view.region.height > 0
+
+
+def test_tensor_without_pieces_says_so(fixtures_root):
+    """A tensor none of whose pieces could be read (e.g. every file of it unreadable) is named
+    as such, not drawn as a grid of gaps."""
+    import dataclasses
+
+    layout = detect(str(fixtures_root / "w2-qwen2-f32"))
+    name = "model.embed_tokens.weight"
+    layout.tensors[name] = dataclasses.replace(layout.tensors[name], pieces=[])
+    text = "\n".join(draw(layout, name))
+    assert "no stored piece of this tensor was found" in text and "·" not in text

@@ -156,6 +156,10 @@ class ShardingMap:
         width = max(8, options.max_width)
         yield Text.assemble((f"{t.name} ", "bold"), f"{list(shape)} {t.dtype} {t.placement}",
                             overflow="fold")
+        if not t.pieces:
+            yield Text("no stored piece of this tensor was found (see the problems)",
+                       style="red")
+            return
         if self.flat():
             yield from self._flat_grid(rows_n, cols_n * math.prod(shape[2:]), width)
             if self.legend:
