@@ -73,3 +73,26 @@ def test_output_that_cannot_be_replaced_exits_2(fixtures_root, tmp_path, capsys,
     assert main(["merge", str(src), "-o", str(out), "-q", "--overwrite"]) == 2
     assert one_line(capsys) == f"shardscope: {out}: Permission denied"
     assert (out / "model.safetensors").is_file()  # the old output is still whole
+
+
+def test_deepspeed_import_does_not_leak_into_json(fixtures_root):
+    """Importing deepspeed during a command (as peft, accelerate or transformers may) logs
+    "Setting accelerator to CPU" to stdout through DeepSpeed's own logger; `inspect --json`
+    must stay one JSON document."""
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("deepspeed")
+    code = ("import sys\nfrom tui import cli\nreal = cli.cmd_inspect\n"
+            "def wrapped(a):\n    import deepspeed  # noqa: F401\n    return real(a)\n"
+            "cli.cmd_inspect = wrapped\nsys.exit(cli.main(['inspect', sys.argv[1], '--json']))")
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-c", code, str(fixtures_root / "w2-qwen2-f32")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["format"] == "fsdp"
+    assert "accelerator" not in r.stdout + r.stderr

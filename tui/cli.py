@@ -127,8 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_frameworks() -> None:
+    """Keep other frameworks' log lines out of our output. DeepSpeed's logger ("DeepSpeed",
+    deepspeed/utils/logging.py ``LoggerFactory.create_logger``) writes to stdout, and importing
+    deepspeed (which peft, accelerate or transformers may do) warns "Setting accelerator to
+    CPU" through it (deepspeed/accelerator/real_accelerator.py), which broke ``--json``."""
+    import logging
+
+    logging.getLogger("DeepSpeed").disabled = True
+
+
 def main(argv: list[str] | None = None) -> int:
     from core import ShardscopeError
+
+    _quiet_frameworks()
 
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
