@@ -177,6 +177,12 @@ def check_output(out: Path, overwrite: bool, source: str | None = None) -> None:
     :class:`OutputExistsError` when ``out`` exists and ``overwrite`` is off."""
     if out.exists() and not out.is_dir():
         raise UsageError("exists and is not a folder", str(out))
+    for parent in out.absolute().parents:  # the folder cannot be made under a file
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"cannot make the output folder: {parent} is a file, not a "
+                                 "folder", str(out))
+            break
     if source is not None:
         src, dst = Path(source).resolve(), out.resolve()
         if dst == src or dst in src.parents:

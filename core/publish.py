@@ -72,9 +72,44 @@ This folder was written by shardscope {version} from a sharded training checkpoi
 | dtypes | {", ".join(dtypes)} |
 | LoRA | {lora} |
 
-{"Floating-point tensors were cast with --dtype " + plan.options.dtype + "; the others were"
- if plan.options.dtype else "Every tensor was"} copied bit for bit from the shards.
+{provenance(plan)}
 """
+
+
+def provenance(plan) -> str:
+    """The card's sentence on how the weights were made: copied bit for bit, cast (``--dtype``),
+    or, after a LoRA fold, which weights got ``W + (B @ A) * scale`` (``execute.fold_lora``:
+    float32, one rounding to the weight's dtype) from which adapter (r, alpha, scale)."""
+    folded = sorted(t.name for f in plan.files for t in f.tensors if t.fold is not None)
+    cast = plan.options.dtype
+    rest = "Every tensor was" if not folded else "The other tensors were"
+    if cast:
+        rest = (f"Floating-point tensors were cast with --dtype {cast}; the others were"
+                if not folded else f"The other tensors were cast with --dtype {cast} (floating "
+                "point) or")
+    copied = f"{rest} copied bit for bit from the shards."
+    from .plan import ADAPTER_DIR, lora_choice
+
+    if not folded:
+        if plan.layout.lora is not None and plan.options.lora == "base":
+            return copied + " The LoRA adapter was dropped: these are the base weights alone."
+        if plan.layout.lora is not None and plan.options.lora == "adapter":
+            return copied + (" They are the base weights; the LoRA adapter is not folded in: "
+                             f"it is written as a PEFT folder in {ADAPTER_DIR}/.")
+        return copied
+
+    _, adapter = lora_choice(plan.layout, plan.options)  # with --lora-alpha applied
+    rs = ", rsLoRA" if adapter.use_rslora else ""
+    shown = ", ".join(f"`{n}`" for n in folded[:6]) + (
+        f" and {len(folded) - 6} more" if len(folded) > 6 else "")
+    text = (f"The LoRA adapter `{adapter.name}` (r={adapter.r}, alpha={adapter.lora_alpha:g}"
+            f"{rs}) was folded into {len(folded)} weight(s): W + (B @ A) * {adapter.scale:g}, "
+            "computed in float32 and rounded once to the weight's "
+            f"{'output ' if cast else ''}dtype, as peft's merge_and_unload does, so these "
+            f"differ from the base checkpoint's weights: {shown}. {copied}")
+    if plan.options.lora == "both":
+        text += f" The adapter is also written, unfolded, as a PEFT folder in {ADAPTER_DIR}/."
+    return text
 
 
 def upload_files(folder: str) -> list[tuple[str, Path]]:

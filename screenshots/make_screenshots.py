@@ -65,6 +65,9 @@ async def shoot(ckpt: Path, out: Path) -> None:
         tree.move_cursor(leaf)
         await pilot.pause(0.3)
         save(app, "inspector-filter")
+        await pilot.press("v")  # the sharding map of the selected q_proj
+        await pilot.pause(0.3)
+        save(app, "inspector-map")
         await pilot.press("m")
         await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
         app.screen.query_one("#output").value = str(out)
@@ -98,11 +101,26 @@ async def shoot_megatron(ckpt: Path) -> None:
         save(app, "megatron-inspector")
 
 
+async def shoot_small(ckpt: Path) -> None:
+    """The inspector at 80x24, the smallest size the app is laid out for."""
+    app = make_app(str(ckpt))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        tree = app.screen.query_one("#params")
+        leaf = next(n for n in _walk(tree.root) if n.data is not None and
+                    n.data.name == "model.embed_tokens.weight")
+        tree.move_cursor(leaf)
+        await pilot.press("v")
+        await pilot.pause(0.3)
+        save(app, "inspector-80x24")
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="shardscope-shots-"))
     try:
         write_sample(tmp / "global_step_100" / "actor", world_size=4)
         asyncio.run(shoot(tmp / "global_step_100" / "actor", tmp / "merged_hf"))
+        asyncio.run(shoot_small(tmp / "global_step_100" / "actor"))
         try:
             from core.sample_megatron import write_megatron
 

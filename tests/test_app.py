@@ -191,7 +191,7 @@ async def test_lora_summary_and_fold_from_the_form(fixtures_root, tmp_path):
         screen = await open_inspector(pilot, app)
         assert "r=8, alpha=16 on q_proj r=8 scale=2, v_proj r=8 scale=2" in str(screen.query_one("#summary").render())
         form = await open_form(pilot, app, tmp_path / "out")
-        await refused(pilot, form, "#lora-alpha", "-3", "--lora-alpha must be positive")
+        await refused(pilot, form, "#lora-alpha", "-3", "lora_alpha must be positive")
         form.query_one("#lora-alpha").value = "16"
         await run_to_end(pilot, app)
     exact(load_file(tmp_path / "out" / "model.safetensors"),

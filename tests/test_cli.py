@@ -101,8 +101,8 @@ def test_verl_flags(fixtures_root, tmp_path):
 
 
 def test_bad_input_one_line_errors(tmp_path):
-    r = run("inspect", str(tmp_path / "nope"))
-    assert r.returncode == 3 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    r = run("inspect", str(tmp_path / "nope"))  # a missing path is a usage error (issue 16)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     (tmp_path / "empty").mkdir()
     r = run("merge", str(tmp_path / "empty"), "-o", str(tmp_path / "o"))
     assert r.returncode == 3 and "not a checkpoint" in r.stderr and "Traceback" not in r.stderr

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--params", action="store_true", help="list every tensor")
+    i.add_argument("--map", metavar="TENSOR", action="append",
+                   help="draw how TENSOR is cut: a block per stored piece, by rank and device "
+                        "mesh coordinate (repeatable)")
     i.add_argument("--tag", help="DeepSpeed: the step folder to read instead of `latest`")
     i.add_argument("--hf-config", metavar="DIR",
                    help="Megatron: the Hugging Face config folder to map names with (else "
@@ -129,18 +132,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_frameworks() -> None:
+    """Keep other frameworks' log lines out of our output. DeepSpeed's logger ("DeepSpeed",
+    deepspeed/utils/logging.py ``LoggerFactory.create_logger``) writes to stdout, and importing
+    deepspeed (which peft, accelerate or transformers may do) warns "Setting accelerator to
+    CPU" through it (deepspeed/accelerator/real_accelerator.py), which broke ``--json``."""
+    import logging
+
+    logging.getLogger("DeepSpeed").disabled = True
+
+
 def main(argv: list[str] | None = None) -> int:
     from core import ShardscopeError
+
+    _quiet_frameworks()
 
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and not argv[0].startswith("-") and argv[0] not in (
             "inspect", "merge", "verify", "sample", "upload"):
+        if not os.path.exists(argv[0]):  # a typo must not open the app somewhere else
+            print(f"shardscope: {argv[0]}: no such file or folder", file=sys.stderr)
+            return 2
         from tui.app import run_app  # `shardscope PATH` opens the app there
 
         return run_app(argv[0])
     args = parser.parse_args(argv)
     try:
+        _check_args(args)
         if args.version:
             from importlib.metadata import version
 
@@ -161,12 +180,43 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except OSError as e:
+        # 1 is verify's "differences found": a file that cannot be written (the output,
+        # e.g. read-only) is a usage problem (2), one that cannot be read is the input's (3)
         print(f"shardscope: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        return 2 if _concerns_output(args, e.filename) else 3
     except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback
         print(f"shardscope: unexpected error ({type(e).__name__}: {e}); please report it "
               "with `-v` output", file=sys.stderr)
         return 1
+
+
+def _check_args(args) -> None:
+    """Refuse impossible option values before any work (:class:`UsageError`, exit 2): an
+    input path that does not exist, ``--workers`` (or ``sample --world-size``) below 1."""
+    from core import UsageError
+
+    if args.command in ("inspect", "merge", "verify", "upload"):
+        path = args.path if args.command != "merge" else (args.path or args.local_dir)
+        if path and not os.path.exists(path):
+            raise UsageError("no such file or folder", path)
+    if args.command == "verify" and args.reference and not os.path.exists(args.reference):
+        raise UsageError("no such file or folder", args.reference)
+    if args.command == "merge" and args.workers < 1:
+        raise UsageError(f"--workers must be at least 1 (got {args.workers})")
+    if args.command == "sample" and args.world_size < 1:
+        raise UsageError(f"--world-size must be at least 1 (got {args.world_size})")
+
+
+def _concerns_output(args, filename) -> bool:
+    """True when ``filename`` is the merge's output folder, inside it, or its temporary
+    sibling (``.OUT.shardscope-tmp-PID``)."""
+    out = getattr(args, "output", None) or getattr(args, "target_dir", None)
+    if not out or not filename:
+        return False
+    out, f = os.path.abspath(out), os.path.abspath(os.fsdecode(filename))
+    parent, name = os.path.split(out)
+    return (f == out or f.startswith(out + os.sep)
+            or f.startswith(os.path.join(parent, f".{name}.shardscope-tmp")))
 
 
 def _with_tag(path: str, tag: str | None) -> str:
@@ -201,6 +251,12 @@ def cmd_inspect(args) -> int:
             raise
         print(json.dumps(_refusal_json(args.path, e), indent=2))
         return e.exit_code
+    for name in args.map or ():
+        if name not in layout.tensors:
+            from core import UsageError
+
+            raise UsageError(f"no tensor named {name!r} (inspect --params lists them)",
+                             layout.path)
     deep_done = False
     if args.deep and not any(p.code in ("missing-rank", "missing-file", "unsafe-pickle")
                              for p in layout.errors):
@@ -220,6 +276,10 @@ def cmd_inspect(args) -> int:
         from tui.render import render_layout
 
         render_layout(layout, Console(), params=args.params)
+        for name in args.map or ():
+            from tui.sharding_map import ShardingMap
+
+            Console().print(ShardingMap(layout.tensors[name], layout, height=12))
     return 3 if layout.errors else 0
 
 
@@ -260,11 +320,19 @@ def cmd_merge(args) -> int:
     started = time.perf_counter()
     layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights,
                     hf_config=args.hf_config or args.hf_model_path)
+    if layout.lora is None:
+        given = [f for f, v in (("--lora-alpha", args.lora_alpha),
+                                ("--lora-adapter", args.lora_adapter),
+                                ("--lora-config", args.lora_config),
+                                ("--base-model", args.base_model)) if v is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} given, but this checkpoint holds no LoRA "
+                             "adapter", layout.path)
     if args.deep and not layout.errors:
         layout.problems.extend(_deep(layout, show=not args.quiet))
     opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
-                        workers=max(1, args.workers), lora=args.lora,
+                        workers=args.workers, lora=args.lora,
                         lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
                         lora_config=args.lora_config, base_model=args.base_model,
                         model_card=not args.no_card, hf_upload=repo_id, private=args.private)

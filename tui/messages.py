@@ -33,6 +33,13 @@ class FolderDetected(Message):
 
 
 @dataclass
+class FoldersListed(Message):
+    """The browser's tree listed the sub-folders of one folder (each is then sniffed)."""
+
+    paths: list[str]
+
+
+@dataclass
 class MergeFinished(Message):
     """A merge completed; ``problems`` are the quick verification's findings."""
 

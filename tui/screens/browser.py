@@ -1,16 +1,19 @@
-"""The browser: a directory tree; the highlighted folder is detected in a thread and marked
-with its format and world size; Enter (or o) opens a checkpoint."""
+"""The browser: a directory tree of folders. Every folder the tree lists is detected in the
+background and marked with its format and world size as each answer arrives; Enter (or o)
+opens a checkpoint; Backspace goes up to the parent folder."""
 
 from __future__ import annotations
 
+import os
 
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DirectoryTree, Footer, Header, Label
+from textual.worker import get_current_worker
 
-from tui.messages import FolderDetected
+from tui.messages import FolderDetected, FoldersListed
 
 
 class CheckpointTree(DirectoryTree):
@@ -21,7 +24,10 @@ class CheckpointTree(DirectoryTree):
         self.marks = marks
 
     def filter_paths(self, paths):
-        return [p for p in paths if p.is_dir() and not p.name.startswith(".")]
+        """Folders only, hidden ones left out; the screen is told which (to sniff them)."""
+        shown = [p for p in paths if p.is_dir() and not p.name.startswith(".")]
+        self.post_message(FoldersListed([str(p) for p in shown]))
+        return shown
 
     def render_label(self, node, base_style, style):
         label = super().render_label(node, base_style, style)
@@ -34,52 +40,75 @@ class CheckpointTree(DirectoryTree):
 class BrowserScreen(Screen):
     """Pick a checkpoint folder."""
 
-    BINDINGS = [Binding("o", "open", "Open", id="open", tooltip="Open the highlighted folder")]
+    BINDINGS = [
+        Binding("o", "open", "Open", id="open", tooltip="Open the highlighted folder"),
+        Binding("backspace", "up", "Parent", id="parent", tooltip="Go up to the parent folder"),
+    ]
 
     def __init__(self, path: str):
         super().__init__()
         self.path = path
+        #: folder -> its summary ("fsdp, 2 rank(s)"), or "" when it holds no checkpoint
         self.marks: dict[str, str] = {}
         self.highlighted: str = path
 
     def compose(self) -> ComposeResult:
         yield Header()
         tree = CheckpointTree(self.path, self.marks, id="tree")
-        tree.border_title = "folders"
+        tree.border_title = self.path
         yield tree
-        yield Label("highlight a folder; o or enter opens a checkpoint", id="detected")
+        yield Label("highlight a folder; enter or o opens a checkpoint; backspace goes up",
+                    id="detected")
         yield Footer()
+
+    def on_mount(self) -> None:
+        self.sniff_all([self.path])
+
+    @on(FoldersListed)
+    def _listed(self, msg: FoldersListed) -> None:
+        todo = [p for p in msg.paths if p not in self.marks]
+        if todo:
+            self.sniff_all(todo)
 
     @on(DirectoryTree.NodeHighlighted)
     def _highlighted(self, event) -> None:
         if event.node.data is not None:
             self.highlighted = str(event.node.data.path)
-            self.sniff(self.highlighted)
+            if self.highlighted in self.marks:
+                self._show(self.highlighted)
+            else:
+                self.query_one("#detected", Label).update(f"{self.highlighted}: detecting…")
+                self.sniff(self.highlighted)
 
-    @work(thread=True, group="sniff", exclusive=True, exit_on_error=False,
-          description="detect format")
+    @work(thread=True, group="sniff", exit_on_error=False, description="detect formats")
+    def sniff_all(self, paths: list[str]) -> None:
+        """Detect each folder in turn, posting one :class:`FolderDetected` per answer."""
+        worker = get_current_worker()
+        for path in paths:
+            if worker.is_cancelled:
+                return
+            self.post_message(FolderDetected(path, folder_summary(path)))
+
+    @work(thread=True, group="sniff", exit_on_error=False, description="detect format")
     def sniff(self, path: str) -> None:
-        from core import ShardscopeError, detect
-        from core.formats import _readers
-
-        summary = ""
-        if any(mod.sniff(path) for _, mod in _readers()):
-            try:
-                layout = detect(path)
-                summary = f"{layout.format}, {layout.world_size} rank(s)"
-                if layout.errors:
-                    summary += f", {len(layout.errors)} problem(s)"
-            except ShardscopeError as e:
-                summary = f"unreadable: {e.message}"
-        self.post_message(FolderDetected(path, summary))
+        self.post_message(FolderDetected(path, folder_summary(path)))
 
     @on(FolderDetected)
     def _detected(self, msg: FolderDetected) -> None:
+        self.marks[msg.path] = msg.summary
         if msg.summary:
-            self.marks[msg.path] = msg.summary
             self.query_one("#tree", CheckpointTree).refresh()
-        text = f"{msg.path}: {msg.summary or 'no checkpoint here'}"
-        self.query_one("#detected", Label).update(text)
+        if msg.path == self.highlighted:
+            self._show(msg.path)
+
+    def _show(self, path: str) -> None:
+        summary = self.marks.get(path, "")
+        if not summary:
+            inside = sorted(os.path.basename(p) for p, s in self.marks.items()
+                            if s and os.path.dirname(p) == path)
+            summary = "no checkpoint here" + (
+                f"; checkpoints inside: {', '.join(inside)}" if inside else "")
+        self.query_one("#detected", Label).update(f"{path}: {summary}")
 
     @on(DirectoryTree.DirectorySelected)
     def _selected(self, event) -> None:
@@ -89,3 +118,34 @@ class BrowserScreen(Screen):
 
     def action_open(self) -> None:
         self.app.open_checkpoint(self.highlighted)
+
+    def action_up(self) -> None:
+        """Show the parent folder (as file browsers do on Backspace)."""
+        parent = os.path.dirname(self.path.rstrip(os.sep)) or os.sep
+        if parent == self.path:
+            return
+        self.path = self.highlighted = parent
+        tree = self.query_one("#tree", CheckpointTree)
+        tree.border_title = parent
+        tree.path = parent
+        self.sniff_all([parent])
+
+
+def folder_summary(path: str) -> str:
+    """What a folder holds: ``"fsdp, 2 rank(s)"`` (with the count of problems found),
+    ``"unreadable: <reason>"``, or ``""`` when no reader recognises it."""
+    from core import ShardscopeError, detect
+    from core.formats import _readers
+
+    try:
+        if not any(mod.sniff(path) for _, mod in _readers()):
+            return ""
+        layout = detect(path)
+    except ShardscopeError as e:
+        return f"unreadable: {e.message}"
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    summary = f"{layout.format}, {layout.world_size} rank(s)"
+    if layout.errors:
+        summary += f", {len(layout.errors)} problem(s)"
+    return summary

@@ -10,7 +10,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Input, Static, Tree
+from textual.widgets import (DataTable, Footer, Header, Input, Static, TabbedContent,
+                             TabPane, Tree)
 
 from core import CheckpointLayout, TensorInfo
 from tui.format import short_path
@@ -18,6 +19,7 @@ from tui.messages import StatsComputed
 from tui.widgets.layout_summary import LayoutSummary
 from tui.widgets.param_tree import ParamTree
 from tui.widgets.shard_table import ShardTable
+from tui.widgets.sharding_map import ShardingMapView
 
 
 def problems_text(layout: CheckpointLayout) -> str:
@@ -54,6 +56,8 @@ class InspectorScreen(Screen):
         Binding("slash", "filter", "Filter", id="filter", tooltip="Filter the parameter tree"),
         Binding("s", "stats", "Stats", id="stats",
                 tooltip="Statistics of the selected tensor, read from the shards"),
+        Binding("v", "map", "Map", id="map",
+                tooltip="Show how the selected tensor is cut: a block per stored piece"),
         Binding("n", "names", "Source names", id="names",
                 tooltip="Group the tree by the checkpoint's own (e.g. Megatron) names"),
         Binding("escape", "back", "Back", id="back", tooltip="Back to the browser"),
@@ -62,6 +66,8 @@ class InspectorScreen(Screen):
     def __init__(self, layout: CheckpointLayout):
         super().__init__()
         self.ckpt = layout
+        #: the tensor whose statistics the panel shows or is reading (None: no tensor)
+        self.stats_for: str | None = None
         # set before mount: a title set in on_mount races the Header's own mount
         self.title = f"shardscope — {os.path.basename(os.path.abspath(layout.path))}"
 
@@ -72,23 +78,42 @@ class InspectorScreen(Screen):
                 summary = LayoutSummary(self.ckpt, id="summary")
                 summary.border_title = "layout"
                 yield summary
-                shards = ShardTable(self.ckpt, id="shards")
-                shards.border_title = "shard files"
-                yield shards
-                problems = Static(problems_text(self.ckpt), id="problems")
-                problems.border_title = "problems"
-                yield VerticalScroll(problems, id="problems-box")
+                # files and problems share the rest of the column (80x24); the problems
+                # tab opens first when there are problems
+                count = len(self.ckpt.problems)
+                with TabbedContent(id="files-problems",
+                                   initial="tab-problems" if count else "tab-files"):
+                    with TabPane(f"files ({len(self.ckpt.files)})", id="tab-files"):
+                        shards = ShardTable(self.ckpt, id="shards")
+                        shards.border_title = "shard files" + (
+                            "" if any(f.status != "ok" for f in self.ckpt.files)
+                            else ", all ok")
+                        yield shards
+                    with TabPane(f"problems ({count})" if count else "no problems",
+                                 id="tab-problems"):
+                        problems = Static(problems_text(self.ckpt), id="problems")
+                        problems.border_title = "problems"
+                        yield VerticalScroll(problems, id="problems-box")
             with Vertical(id="right"):
                 yield Input(placeholder="filter parameters (fuzzy)", id="filter")
                 tree = ParamTree(self.ckpt.tensors, id="params")
                 tree.border_title = "parameters"
                 yield tree
-                pieces = DataTable(id="pieces", cursor_type="row")
-                pieces.border_title = "pieces of the selected tensor"
-                yield pieces
-                stats = Static("[dim]s: statistics of the selected tensor[/]", id="stats")
-                stats.border_title = "statistics"
-                yield stats
+                # what is known of the selected tensor, one tab at a time (fits 80x24)
+                with TabbedContent(id="detail", initial="tab-pieces"):
+                    with TabPane("pieces", id="tab-pieces"):
+                        pieces = DataTable(id="pieces", cursor_type="row")
+                        pieces.border_title = "pieces of the selected tensor"
+                        yield pieces
+                    with TabPane("map", id="tab-map"):
+                        smap = ShardingMapView(id="map")
+                        smap.border_title = "how the selected tensor is cut"
+                        yield VerticalScroll(smap, id="map-box")
+                    with TabPane("statistics", id="tab-stats"):
+                        stats = Static("[dim]s: statistics of the selected tensor[/]",
+                                       id="stats")
+                        stats.border_title = "statistics"
+                        yield stats
         yield Footer()
 
     def on_mount(self) -> None:
@@ -102,6 +127,9 @@ class InspectorScreen(Screen):
         if action == "names":  # only readers that rename tensors (Megatron) record sources
             return any(t.source and t.source != t.name for t in self.ckpt.tensors.values())
         return True
+
+    def action_map(self) -> None:
+        self.query_one("#detail", TabbedContent).active = "tab-map"
 
     def action_names(self) -> None:
         tree = self.query_one("#params", ParamTree)
@@ -141,9 +169,13 @@ class InspectorScreen(Screen):
         table.clear()
         if not isinstance(t, TensorInfo):
             table.border_title = "pieces of the selected tensor"
+            self._reset_stats(None)
+            self.query_one("#map", ShardingMapView).show(None, self.ckpt)
             return
         table.border_title = f"{t.name}: {list(t.shape)} {t.dtype} {t.placement}" + (
             f" ← {t.source}" if t.source and t.source != t.name else "")
+        self._reset_stats(t)
+        self.query_one("#map", ShardingMapView).show(t, self.ckpt)
         for p in sorted(t.pieces, key=lambda p: p.global_offsets):
             table.add_row("" if p.rank is None else str(p.rank), str(list(p.global_offsets)),
                           str(list(p.shape)),
@@ -154,12 +186,27 @@ class InspectorScreen(Screen):
         node = self.query_one("#params", ParamTree).cursor_node
         return node.data if node is not None and isinstance(node.data, TensorInfo) else None
 
+    def _reset_stats(self, t: TensorInfo | None) -> None:
+        """Statistics belong to one tensor: on a new selection the panel names it and drops
+        the previous tensor's numbers (a computation still running for it is cancelled)."""
+        box = self.query_one("#stats", Static)
+        if self.stats_for == (t.name if t else None):
+            return
+        self.stats_for = t.name if t else None
+        self.workers.cancel_group(self, "stats")
+        box.border_title = f"statistics of {t.name}" if t else "statistics"
+        box.update(f"[dim]s: read {t.name} and show its statistics[/]" if t
+                   else "[dim]s: statistics of the selected tensor[/]")
+
     def action_stats(self) -> None:
         t = self.selected_tensor()
         box = self.query_one("#stats", Static)
         if t is None:
             box.update("[yellow]select a tensor first[/]")
             return
+        self.stats_for = t.name
+        self.query_one("#detail", TabbedContent).active = "tab-stats"
+        box.border_title = f"statistics of {t.name}"
         box.update(f"reading {t.name} from {len(t.pieces)} piece(s)…")
         self.compute_stats(t.name)
 
@@ -177,7 +224,8 @@ class InspectorScreen(Screen):
 
     @on(StatsComputed)
     def _stats_computed(self, msg: StatsComputed) -> None:
-        self.query_one("#stats", Static).update(msg.text)
+        if msg.name == self.stats_for:  # late numbers of a tensor no longer selected: dropped
+            self.query_one("#stats", Static).update(msg.text)
 
     def action_merge(self) -> None:
         from tui.screens.merge_options import MergeOptionsScreen

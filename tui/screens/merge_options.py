@@ -2,19 +2,59 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from rich.markup import escape
 
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Checkbox, Input, Label, Select
+from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 
 from core import CheckpointLayout, MergeOptions, UsageError
 from core.plan import check_output, parse_size
 
 DTYPES = [("keep (as trained)", "keep"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
+
+
+OVERWRITE = "overwrite an existing output"
+
+#: the core's messages name command-line flags; the form names its own fields instead
+FORM_WORDS = [
+    ("pass --overwrite to replace it", f"tick “{OVERWRITE}” to replace it"),
+    ("--lora-adapter NAME", "the adapter field"),
+    ("--lora-adapter", "adapter"),
+    ("--lora-alpha", "lora_alpha"),
+    ("--lora-config", "the adapter_config.json field"),
+    ("--base-model", "the base model folder field"),
+    ("--lora base", "“base alone”"),
+    ("--hf-config DIR", "the config folder field"),
+    ("--hf-config", "the config folder field"),
+    ("--max-shard-size", "max shard size"),
+    ("--dtype", "output dtype"),
+]
+
+
+def form_words(message: str) -> str:
+    """``message`` with the command line's flags replaced by the form's field names."""
+    for flag, field in FORM_WORDS:
+        message = message.replace(flag, field)
+    return message
+
+
+def refusal_text(layout: CheckpointLayout, most: int = 6) -> str:
+    """Markup listing the errors that make ``layout`` unmergeable (at most ``most``)."""
+    errs = layout.errors
+    lines = [f"[red b]cannot merge: {len(errs)} error(s) found by the inspection[/]"]
+    for p in errs[:most]:
+        where = os.path.basename(p.path) + ": " if p.path else ""
+        lines.append(f"[red]{escape(p.code)}[/] {escape(where + p.message)}")
+    if len(errs) > most:
+        lines.append(f"[dim]… and {len(errs) - most} more (shardscope inspect lists them)[/]")
+    return "\n".join(lines)
 
 
 class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
@@ -30,53 +70,71 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
         default_out = str(Path(self.ckpt.path).resolve().parent / "merged_hf")
         with Vertical(id="options"):
             yield Label("[b]Merge into a Hugging Face folder[/]")
-            yield Label("output folder")
-            yield Input(default_out, id="output")
-            yield Label("output dtype")
-            yield Select(DTYPES, value="keep", allow_blank=False, id="dtype")
-            yield Label("max shard size (decimal units, e.g. 5GB, 500MB)")
-            yield Input("5GB", id="shard-size")
-            if self.ckpt.config_dir is None:
-                yield Label("config folder (this checkpoint has none)")
-                yield Input("", placeholder="folder with config.json and tokenizer",
-                            id="hf-config")
-            if self.ckpt.lora is not None:
-                lora = self.ckpt.lora
-                yield Label(f"LoRA: {lora.summary()}")
-                yield Select([("fold into the weights", "fold"),
-                              ("base + PEFT adapter folder", "adapter"),
-                              ("folded model + adapter folder", "both"),
-                              ("base alone (drop the adapter)", "base")],
-                             value="fold", allow_blank=False, id="lora-mode")
-                names = sorted(lora.adapters)
-                with Horizontal(id="lora-row"):
-                    yield Input(names[0] if len(names) == 1 else "",
-                                placeholder=f"adapter ({', '.join(names)})", id="lora-adapter")
-                    alpha = lora.adapters[names[0]].lora_alpha if names else None
-                    yield Input("" if alpha is None else f"{alpha:g}",
-                                placeholder="lora_alpha (the run's value)", id="lora-alpha")
-                with Horizontal(id="lora-files-row"):
-                    yield Input("", placeholder="adapter_config.json (when not in "
-                                "lora_adapter/)", id="lora-config")
-                    if lora.lora_only:
-                        yield Input("", placeholder="base model folder (needed: adapter-only "
-                                    "checkpoint)", id="base-model")
-            yield Label("Hub repo to upload to after verification (optional)")
-            with Horizontal(id="upload-row"):
-                yield Input("", placeholder="my-org/my-model", id="hf-upload")
-                yield Checkbox("private", id="private")
-            yield Checkbox("overwrite an existing output", id="overwrite")
-            yield Label("", id="error")
+            if self.ckpt.errors:
+                yield Static(refusal_text(self.ckpt), id="refusal")
+            # the fields scroll; the error line and the buttons stay in sight (80x24 too)
+            with VerticalScroll(id="fields"):
+                yield Label("output folder")
+                yield Input(default_out, id="output")
+                yield Label("output dtype")
+                yield Select(DTYPES, value="keep", allow_blank=False, id="dtype")
+                yield Label("max shard size (decimal units, e.g. 5GB, 500MB)")
+                yield Input("5GB", id="shard-size")
+                if self.ckpt.config_dir is None:
+                    yield Label("config folder (this checkpoint has none)")
+                    yield Input("", placeholder="folder with config.json and tokenizer",
+                                id="hf-config")
+                if self.ckpt.lora is not None:
+                    lora = self.ckpt.lora
+                    yield Static(f"[b]LoRA[/] {escape(lora.summary())}", id="lora-heading")
+                    yield Select([("fold into the weights", "fold"),
+                                  ("base + PEFT adapter folder", "adapter"),
+                                  ("folded model + adapter folder", "both"),
+                                  ("base alone (drop the adapter)", "base")],
+                                 value="fold", allow_blank=False, id="lora-mode")
+                    names = sorted(lora.adapters)
+                    with Horizontal(id="lora-row"):
+                        with Vertical():
+                            yield Label("adapter")
+                            yield Input(names[0] if len(names) == 1 else "",
+                                        placeholder=", ".join(names), id="lora-adapter")
+                        with Vertical():
+                            yield Label("lora_alpha (the run's value)")
+                            alpha = lora.adapters[names[0]].lora_alpha if names else None
+                            yield Input("" if alpha is None else f"{alpha:g}",
+                                        placeholder="e.g. 16", id="lora-alpha")
+                    with Horizontal(id="lora-files-row"):
+                        with Vertical():
+                            yield Label("adapter_config.json (if not in lora_adapter/)")
+                            yield Input("", placeholder="path to adapter_config.json",
+                                        id="lora-config")
+                        if lora.lora_only:
+                            with Vertical():
+                                yield Label("base model folder (adapter-only checkpoint)")
+                                yield Input("", placeholder="folder with the base weights",
+                                            id="base-model")
+                yield Label("Hub repo to upload to after verification (optional)")
+                with Horizontal(id="upload-row"):
+                    yield Input("", placeholder="my-org/my-model", id="hf-upload")
+                    yield Checkbox("private", id="private")
+                yield Checkbox(OVERWRITE, id="overwrite")
+            yield Static("", id="error")
             with Horizontal(id="buttons"):
                 yield Button("Merge", variant="primary", id="ok")
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
+        if self.ckpt.errors:
+            self.query_one("#ok", Button).disabled = True
         for box in self.query(Input):
             box.cursor_blink = False  # no repainting animation (SSH, stable pictures)
 
     def options(self) -> MergeOptions:
-        """The form as options. Raises UsageError (shown in the form) for a bad value."""
+        """The form as options. Raises UsageError (shown in the form) for a bad value, or
+        when the checkpoint's inspection found errors."""
+        if self.ckpt.errors:
+            raise UsageError(f"this checkpoint has {len(self.ckpt.errors)} error(s) (listed "
+                             "above): it cannot be merged")
         out = self.query_one("#output", Input).value.strip()
         if not out:
             raise UsageError("give an output folder")
@@ -126,7 +184,7 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
         try:
             opts = self.options()
         except UsageError as e:
-            self.query_one("#error", Label).update(f"[red]{e}[/]")
+            self.query_one("#error", Static).update(f"[red]{escape(form_words(str(e)))}[/]")
             return
         self.dismiss(opts)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+from rich.markup import escape
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -96,6 +97,8 @@ class MergeRunScreen(Screen):
             self.post_message(MergeFailed("cancelled; nothing was written", True))
         except ShardscopeError as e:
             self.post_message(MergeFailed(str(e), False))
+        except OSError as e:  # e.g. the output's disk is full or read-only
+            self.post_message(MergeFailed(f"{e.filename or ''}: {e.strerror or e}", False))
 
     def _show_plan(self, plan) -> None:
         self.query_one("#overall", ProgressBar).update(total=plan.total_bytes)
@@ -156,10 +159,20 @@ class MergeRunScreen(Screen):
 
     @on(MergeFailed)
     def _failed(self, msg: MergeFailed) -> None:
+        """Stop every bar where it is (an unplanned bar would animate on and look busy) and
+        show the whole message, wrapped, with the way back."""
         self.finished = True
-        color = "yellow" if msg.cancelled else "red"
-        self.query_one("#status", Label).update(f"[{color}]{msg.error}[/]")
-        self.query_one("#result", Static).update("[dim]escape: back to the inspector[/]")
+        for bar in self.query(ProgressBar):
+            if bar.total is None:  # never planned: a still 0 % instead of the busy animation
+                bar.update(total=1, progress=0)
+        if msg.cancelled:
+            self.query_one("#status", Label).update(f"[yellow]{escape(msg.error)}[/]")
+        else:
+            self.query_one("#status", Label).update("[red b]the merge failed[/]; nothing was "
+                                                    "written")
+        self.query_one("#result", Static).update(
+            ("" if msg.cancelled else f"[red]{escape(msg.error)}[/]\n\n")
+            + "[dim]escape: back to the inspector[/]")
 
     def action_cancel(self) -> None:
         if self.finished:

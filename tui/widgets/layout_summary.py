@@ -26,7 +26,7 @@ def summary_text(layout: CheckpointLayout) -> str:
     if layout.lora is not None:
         rows.append(("LoRA", layout.lora.summary()))
     rows += list(layout.details.items())
-    width = max(len(label) for label, _ in rows) + 1
+    width = max(len(label) for label, _ in rows) + 2  # two spaces: never "labelvalue"
     return "\n".join(f"[b]{escape(label)}[/]{' ' * (width - len(label))}{escape(text)}"
                      for label, text in rows)
 

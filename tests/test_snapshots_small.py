@@ -1,0 +1,70 @@
+"""Snapshot tests at 80x24, the smallest terminal the app is laid out for (issue 16, item 7):
+file names keep their rank, every shard row of a Megatron set shows, the form's buttons stay
+on screen, the help is whole or scrolls. Update with ``--snapshot-update`` after a deliberate
+change, and look at the SVGs before committing them."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import wait_for
+from tui.app import make_app
+from tui.screens.inspector import InspectorScreen
+from tui.screens.merge_options import MergeOptionsScreen
+
+SIZE = (80, 24)
+
+
+async def inspector(pilot, app):
+    await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+
+
+def test_inspector_80x24_map(snap_compare, fixtures_root):
+    app = make_app(str(fixtures_root / "w4-hsdp"))
+
+    async def ready(pilot):
+        await inspector(pilot, app)
+        from test_app_usability import select
+
+        await select(pilot, app.screen.query_one("#params"), "model.embed_tokens.weight")
+        await pilot.press("v")
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_megatron_files_80x24(snap_compare, megatron_root):
+    pytest.importorskip("megatron.core")
+    app = make_app(str(megatron_root / "llama" / "tp2_pp2" / "legacy"))
+
+    async def ready(pilot):
+        await inspector(pilot, app)
+        app.screen.query_one("#files-problems").active = "tab-files"
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_lora_form_80x24(snap_compare, fixtures_root):
+    app = make_app(str(fixtures_root / "w2-lora-qv"))
+
+    async def ready(pilot):
+        await inspector(pilot, app)
+        await pilot.press("m")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen), tries=200)
+        app.screen.query_one("#output").value = "merged_hf"
+        app.screen.query_one("#fields").scroll_end(animate=False)
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_help_80x24(snap_compare, fixtures_root):
+    app = make_app(str(fixtures_root / "w2-qwen2-f32"))
+
+    async def ready(pilot):
+        await inspector(pilot, app)
+        await pilot.press("question_mark")
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
