@@ -48,6 +48,12 @@ class MergeOptions:
     #: :func:`core.publish.upload`)
     hf_upload: str | None = None
     private: bool = False
+    #: refuse a merge whose tensors do not match the model class of the config (missing,
+    #: extra, other shape or dtype kind: :mod:`core.judge`); False writes them anyway, as
+    #: ``load_state_dict(strict=False)`` loads them, and the model card lists what is off
+    strict: bool = True
+    #: build a model class that only the config folder's own code (``auto_map``) defines
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -106,6 +112,8 @@ class MergePlan:
     config_dtype: str | None = None
     #: files made by the plan itself (relative name -> bytes), e.g. adapter_config.json
     generated: dict[str, bytes] = field(default_factory=dict)
+    #: the judge's :class:`core.judge.Verdict` on the output tensors (None: not run)
+    check: object = None
 
     @property
     def total_bytes(self) -> int:
@@ -226,8 +234,6 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     elif config_dir is None:
         warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
                         "weights only and will not load with from_pretrained")
-    tied = (tie_word_embeddings(config_dir) if config_dir
-            else (layout.derived_config or {}).get("tie_word_embeddings"))
     lora, adapter = lora_choice(layout, options)
     mode = options.lora if lora is not None else None
     # output name -> source tensor name
@@ -236,12 +242,30 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         out_name = name if mode is None else lora_mod.output_name(name, mode, adapter.name)
         if out_name is not None:
             mapping[out_name] = name
-    for out_name, emb in TIED_PAIRS:
-        if tied and out_name in mapping and emb in mapping:
-            del mapping[out_name]  # FSDP/DCP keep the tied copy; HF files must not
-        elif tied is False and out_name not in mapping and emb in mapping:
-            raise BadCheckpointError(f"the config says the embeddings are untied, but the "
-                                     f"checkpoint has no {out_name}", config_dir)
+    verdict = _judge(layout, mapping, config_dir, options)
+    if verdict.skipped is None:
+        for alias in verdict.aliases:
+            del mapping[alias]  # FSDP/DCP keep tied copies; save_pretrained writes one
+    else:  # no model class to ask: transformers' usual pair, as the config says
+        tied = (tie_word_embeddings(config_dir) if config_dir
+                else (layout.derived_config or {}).get("tie_word_embeddings"))
+        for out_name, emb in TIED_PAIRS:
+            if tied and out_name in mapping and emb in mapping:
+                del mapping[out_name]
+            elif tied is False and out_name not in mapping and emb in mapping:
+                raise BadCheckpointError(f"the config says the embeddings are untied, but the "
+                                         f"checkpoint has no {out_name}", config_dir)
+        if config_dir or derived is not None:
+            warnings.append(verdict.summary())
+    if verdict.mismatched:
+        if options.strict:
+            raise BadCheckpointError(
+                f"the weights do not match the model {verdict.architecture} of the config: "
+                + "; ".join(verdict.problems()) + f" ({verdict.matched}/{verdict.expected} "
+                "expected tensors match); pass --no-strict to write them anyway", layout.path)
+        warnings.append(f"--no-strict, written anyway: {verdict.summary()}")
+    elif verdict.note:
+        warnings.append(verdict.summary())
     source_bytes: dict[str, int] = {}
 
     def located(t: TensorInfo) -> list[Piece]:
@@ -291,12 +315,24 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         warnings.append(f"{ADAPTER_DIR}/ applies to the base model, not to the folded one")
     config_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(target or "")
     plan = MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype,
-                     generated)
+                     generated, verdict)
     if options.model_card and not any(rel == "README.md" for _, rel in copy):
         from .publish import model_card
 
         plan.generated["README.md"] = model_card(plan, _version()).encode()
     return plan
+
+
+def _judge(layout: CheckpointLayout, mapping: dict[str, str], config_dir: str | None,
+           options: MergeOptions):
+    """The judge's verdict on the output tensors (``mapping``: output name -> source name)
+    against the config's model class (:func:`core.judge.check`)."""
+    from .judge import check
+
+    tensors = {out: (layout.tensors[src].shape, layout.tensors[src].dtype)
+               for out, src in mapping.items()}
+    fields = layout.derived_config if config_dir is None else None
+    return check(tensors, config_dir, fields, options.trust_remote_code)
 
 
 def derived_config_json(fields: dict) -> bytes:
