@@ -86,7 +86,8 @@ class Verdict:
     saves; ``matched``: those present with the right shape and dtype kind. ``missing``/
     ``extra``: names; ``shape``: (name, shape found, shape expected); ``dtype``: (name, dtype
     found, kind expected). ``skipped``: why no check was made (then nothing else is set).
-    ``note``: e.g. that config.json names another class. ``aliases``: tied copies present in
+    ``note``: e.g. that config.json names another class (then ``named``). ``aliases``: tied
+    copies present in
     the tensors that ``save_pretrained`` would drop (alias -> kept name)."""
 
     architecture: str | None = None
@@ -99,6 +100,8 @@ class Verdict:
     skipped: str | None = None
     note: str | None = None
     aliases: dict[str, str] = field(default_factory=dict)
+    #: the class config.json names, when the weights are those of another (``architecture``)
+    named: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -146,7 +149,7 @@ class Verdict:
                 "shape": [{"name": n, "found": list(a), "expected": list(b)}
                           for n, a, b in self.shape],
                 "dtype": [{"name": n, "found": a, "expected": k} for n, a, k in self.dtype],
-                "skipped": self.skipped, "note": self.note}
+                "skipped": self.skipped, "note": self.note, "config_names": self.named}
 
 
 def _names(items: list[str]) -> str:
@@ -417,12 +420,12 @@ def check(tensors: Mapping[str, tuple[tuple[int, ...], str]], config_dir: str | 
         v = compare(tensors, exp)
         first = first or v
         if v.ok:
-            if i == 0:
-                v.note = note
-            elif named:
+            if named and i > 0:
+                v.named = named
                 v.note = f"config.json names {named}; the weights are those of {name}"
-            else:
-                v.note = f"chosen among the model classes for model_type {config.model_type!r}"
+            elif not named:
+                v.note = ((note + "; ") if note else "config.json names no class; ") + \
+                    f"chosen among the model classes for model_type {config.model_type!r}"
             return v
     first.note = note
     return first
@@ -460,3 +463,20 @@ def check_layout(layout, hf_config: str | None = None,
     config_dir = hf_config or layout.config_dir
     fields = None if config_dir else layout.derived_config
     return check(tensors, config_dir, fields, trust_remote_code)
+
+
+def tied_aliases(config_dir: str | None, trust_remote_code: bool = False) -> dict[str, str]:
+    """Tied copies of the model class of the config in ``config_dir``: alias name ->
+    the name ``save_pretrained`` keeps (e.g. ``lm_head.weight`` -> ``model.embed_tokens.weight``
+    for a tied Llama; T5's ``encoder.embed_tokens.weight`` -> ``shared.weight``). Empty
+    when there is no config or no class to build."""
+    if config_dir is None or not os.path.isfile(os.path.join(config_dir, "config.json")):
+        return {}
+    try:
+        key = _config_key(config_dir, None, trust_remote_code)
+        config, classes, _, _ = _expected_cached(key, "", lambda: _candidates_or_skip(
+            config_dir, None, trust_remote_code))
+        name, get_cls = classes[0]
+        return dict(_expected_cached(key, name, lambda: _build_or_skip(get_cls, config)).aliases)
+    except (Skip, OSError):
+        return {}

@@ -314,6 +314,12 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     if lora is not None and mode == "both":
         warnings.append(f"{ADAPTER_DIR}/ applies to the base model, not to the folded one")
     config_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(target or "")
+    if verdict.ok and verdict.named and config_dir:
+        copy = [(src, rel) for src, rel in copy if rel != "config.json"]
+        generated["config.json"] = _config_naming(config_dir, verdict.architecture,
+                                                  config_dtype)
+        warnings.append(f"config.json written with architectures [{verdict.architecture}] "
+                        f"(the checkpoint's says {verdict.named})")
     plan = MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype,
                      generated, verdict)
     if options.model_card and not any(rel == "README.md" for _, rel in copy):
@@ -333,6 +339,21 @@ def _judge(layout: CheckpointLayout, mapping: dict[str, str], config_dir: str | 
                for out, src in mapping.items()}
     fields = layout.derived_config if config_dir is None else None
     return check(tensors, config_dir, fields, options.trust_remote_code)
+
+
+def _config_naming(config_dir: str, architecture: str, dtype: str | None) -> bytes:
+    """``config.json`` of ``config_dir`` with ``architectures`` set to the class the weights
+    are (verl's critic keeps the actor's ``*ForCausalLM``; from_pretrained would then build
+    an lm_head at random), and ``dtype`` set when the merge casts."""
+    import json
+
+    cfg = read_config(config_dir)
+    cfg["architectures"] = [architecture]
+    if dtype:
+        for key in ("dtype", "torch_dtype"):
+            if key in cfg or key == "dtype":
+                cfg[key] = dtype
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
 
 def derived_config_json(fields: dict) -> bytes:
