@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tag", help="DeepSpeed: the step folder to read instead of `latest`")
     i.add_argument("--hf-config", metavar="DIR",
                    help="Megatron: the Hugging Face config folder to map names with (else "
-                        "huggingface/ beside the checkpoint, else Megatron's args)")
+                        "huggingface/ beside the checkpoint, else Megatron's args); with "
+                        "--check, the config to check against")
     i.add_argument("--deep", action="store_true",
                    help="also read every tensor: check the CRC-32 of torch.save data and count "
                         "NaN/Inf per tensor (reads all bytes once)")
