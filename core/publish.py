@@ -87,7 +87,7 @@ def _check_section(verdict) -> str:
     missing, extra or mis-shaped tensor (up to :data:`CARD_NAMES` per kind)."""
     if verdict is None:
         return ""
-    text = f"\nArchitecture check: {verdict.summary()}.\n"
+    text = f"\nArchitecture check: {verdict.summary().removeprefix('architecture check ')}.\n"
     if not verdict.mismatched:
         return text
     text += ("\n## Written with --no-strict\n\nThese weights do not match the model class of "
