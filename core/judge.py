@@ -193,8 +193,9 @@ def _load_config(config_dir: str | None, config_fields: dict | None, trust: bool
         kw = dict(config_fields or {})
         try:
             return AutoConfig.for_model(kw.pop("model_type"), **kw), dict(config_fields)
-        except (KeyError, ValueError) as e:
-            raise Skip(f"transformers cannot build a config from the checkpoint's fields ({e})")
+        except Exception as e:  # noqa: BLE001 - unknown model_type, bad field: say why
+            raise Skip("transformers cannot build a config from the checkpoint's fields "
+                       f"({type(e).__name__}: {e})") from None
     raw = _read_json(config_dir)
     remote = _remote_class_name(raw)
     if remote and not trust:
