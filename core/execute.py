@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -176,6 +176,23 @@ def _span(p: Piece) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(p.shape, p.stride))
 
 
+def _piece_bytes(p: Piece, src: _Sources):
+    """The piece's elements in C order as bytes (a numpy uint8 array; reads its strided
+    extent once, copies only when the piece is not contiguous)."""
+    import numpy as np
+
+    size = ITEMSIZE[p.dtype]
+    if p.contiguous:
+        return np.frombuffer(_pread_exact(src.fd(p.file), p.nbytes, p.byte_offset, p.file),
+                             dtype=np.uint8)
+    n = _span(p)
+    word = np.dtype(f"<u{size}")
+    buf = np.frombuffer(_pread_exact(src.fd(p.file), n * size, p.byte_offset, p.file),
+                        dtype=word, count=n)
+    part = np.lib.stride_tricks.as_strided(buf, p.shape, [st * size for st in p.stride])
+    return np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+
+
 def _piece_tensor(p: Piece, src: _Sources):
     """The piece as a torch tensor (reads its bytes)."""
     import warnings
@@ -302,12 +319,15 @@ class _Writer:
                 out_bytes = p.numel * ITEMSIZE[t.dtype]
                 if p.dtype == t.dtype and p.contiguous:
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
-                elif p.contiguous and {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
-                    # numpy, not torch: same bits, and no 2 s torch import for a cast
+                elif p.dtype == t.dtype or {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
+                    # numpy, not torch: same bits, and no 2 s torch import for a cast or a
+                    # strided piece (e.g. q/k rows permuted by core/native_names.py)
                     from .cast import cast_bytes
 
-                    buf = _pread_exact(self.src.fd(p.file), p.nbytes, p.byte_offset, p.file)
-                    _pwrite_all(dst, cast_bytes(buf, p.dtype, t.dtype), pos)
+                    buf = _piece_bytes(p, self.src)
+                    if p.dtype != t.dtype:
+                        buf = cast_bytes(buf, p.dtype, t.dtype)
+                    _pwrite_all(dst, buf, pos)
                 else:
                     import torch
 

@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dtypes import FLOATING, ITEMSIZE, USER_DTYPES
+from .dtypes import CASTABLE, ITEMSIZE, USER_DTYPES
 from .errors import BadCheckpointError, OutputExistsError, UsageError
 from .formats.common import config_files, read_config
-from . import lora as lora_mod
+from . import hf_names, lora as lora_mod
 from .layout import CheckpointLayout, Piece, TensorInfo, coverage_problems
 
 ADAPTER_DIR = "lora_adapter"
@@ -27,7 +27,8 @@ class MergeOptions:
     """What the user asked for.
 
     ``output``: the folder to write. ``dtype``: ``None`` keeps each tensor's dtype, else one of
-    ``bf16``/``fp16``/``fp32`` (floating-point tensors only). ``max_shard_size``: bytes or a
+    ``bf16``/``fp16``/``fp32`` (F64/F32/F16/BF16 tensors only, ``dtypes.CASTABLE``: float8,
+    integer and boolean tensors are written as stored). ``max_shard_size``: bytes or a
     string such as ``"5GB"`` (decimal units, as huggingface_hub). ``hf_config``: a folder whose
     config/tokenizer files are copied (never its weights). ``workers``: threads moving bytes.
     """
@@ -196,7 +197,11 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     """
     out = Path(options.output)
     check_output(out, options.overwrite, layout.path)
-    if (layout.format.startswith("megatron") and options.hf_config
+    from .native_names import DETAIL as NATIVE
+
+    native = NATIVE in layout.details or any(p.code == "native-names-no-config"
+                                             for p in layout.problems)
+    if ((layout.format.startswith("megatron") or native) and options.hf_config
             and Path(layout.config_dir or "").resolve() != Path(options.hf_config).resolve()):
         from .formats import detect  # the cut into Hugging Face tensors depends on the config
 
@@ -242,6 +247,8 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         out_name = name if mode is None else lora_mod.output_name(name, mode, adapter.name)
         if out_name is not None:
             mapping[out_name] = name
+    # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
+    mapping, memory_names = hf_names.saved_mapping(layout, mapping, config_dir)
     verdict = _judge(layout, mapping, config_dir, options)
     if verdict.skipped is None:
         for alias in verdict.aliases:
@@ -282,10 +289,11 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     lora_src = _lora_sources(layout, adapter) if adapter is not None else {}
     tensors: dict[str, OutputTensor] = {}
     for out_name in sorted(mapping, key=natural_key):
-        t = layout.tensors[mapping[out_name]]
-        dtype = target if target and t.dtype in FLOATING else t.dtype
+        src = mapping[out_name]
+        t = src if isinstance(src, TensorInfo) else layout.tensors[src]
+        dtype = target if target and t.dtype in CASTABLE else t.dtype
         ot = OutputTensor(out_name, t.shape, dtype, t, located(t))
-        module = out_name.rsplit(".", 1)[0]
+        module = memory_names.get(out_name, out_name).rsplit(".", 1)[0]
         if mode in ("fold", "both") and out_name.endswith(".weight") and module in lora_src:
             a, b = lora_src[module]
             if (b.shape[0], a.shape[1]) != t.shape:
@@ -308,7 +316,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
             if key is not None:  # the trained copy of a modules_to_save module
                 atensors.append(OutputTensor(key, t.shape, t.dtype, t, located(t)))
         files.append(OutputFile(f"{ADAPTER_DIR}/adapter_model.safetensors", atensors))
-        modules = {n.rsplit(".", 1)[0] for n in mapping}
+        modules = {memory_names.get(n, n).rsplit(".", 1)[0] for n in mapping}
         generated[f"{ADAPTER_DIR}/adapter_config.json"] = lora_mod.adapter_config_json(
             adapter, modules)
     if lora is not None and mode == "both":
@@ -331,12 +339,15 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
 
 def _judge(layout: CheckpointLayout, mapping: dict[str, str], config_dir: str | None,
            options: MergeOptions):
-    """The judge's verdict on the output tensors (``mapping``: output name -> source name)
+    """The judge's verdict on the output tensors (``mapping``: output name -> source name or
+    cut :class:`TensorInfo`)
     against the config's model class (:func:`core.judge.check`)."""
     from .judge import check
 
-    tensors = {out: (layout.tensors[src].shape, layout.tensors[src].dtype)
-               for out, src in mapping.items()}
+    tensors = {}
+    for out, src in mapping.items():  # a source name, or a tensor cut by hf_names
+        t = src if isinstance(src, TensorInfo) else layout.tensors[src]
+        tensors[out] = (t.shape, t.dtype)
     fields = layout.derived_config if config_dir is None else None
     return check(tensors, config_dir, fields, options.trust_remote_code)
 
