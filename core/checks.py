@@ -15,7 +15,8 @@ def config_problems(layout: CheckpointLayout) -> list[Problem]:
     """``config-mismatch`` problems where ``config.json`` disagrees with the weights: the
     embedding's rows vs ``vocab_size`` (a padded vocabulary larger than the config is a
     warning), its width vs ``hidden_size``, the layer count vs ``num_hidden_layers``, and an
-    untied config with no output layer."""
+    untied language model (by its ``architectures``) with neither an output layer nor a
+    ``score`` head."""
     if layout.config_dir is None:
         return []
     where = os.path.join(layout.config_dir, "config.json")
@@ -39,8 +40,16 @@ def config_problems(layout: CheckpointLayout) -> list[Problem]:
     if layers and isinstance(want, int) and len(layers) != want:
         out.append(Problem("config-mismatch", f"the weights hold {len(layers)} layers, "
                            f"config.json says num_hidden_layers {want}", where))
-    if (cfg.get("tie_word_embeddings") is False and emb is not None
-            and "lm_head.weight" not in layout.tensors):
+    # only a language-model class has an lm_head; a critic (``*ForTokenClassification``) or a
+    # reward model (``*ForSequenceClassification``) has a ``score`` head instead, and verl's
+    # critic keeps the actor's architectures in config.json: the score head tells (the judge,
+    # core/judge.py, checks every class exactly when a merge is planned)
+    arch = str((cfg.get("architectures") or [""])[0] or "")
+    lm_class = not arch or arch.endswith(("ForCausalLM", "ForConditionalGeneration",
+                                          "LMHeadModel"))
+    if (cfg.get("tie_word_embeddings") is False and emb is not None and lm_class
+            and "lm_head.weight" not in layout.tensors
+            and "score.weight" not in layout.tensors):
         out.append(Problem("config-mismatch", "config.json says the embeddings are untied, but "
                            "there is no lm_head.weight", where))
     return out

@@ -55,6 +55,12 @@ class MergeOptions:
     #: :func:`core.publish.upload`)
     hf_upload: str | None = None
     private: bool = False
+    #: refuse a merge whose tensors do not match the model class of the config (missing,
+    #: extra, other shape or dtype kind: :mod:`core.judge`); False writes them anyway, as
+    #: ``load_state_dict(strict=False)`` loads them, and the model card lists what is off
+    strict: bool = True
+    #: build a model class that only the config folder's own code (``auto_map``) defines
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -119,6 +125,8 @@ class MergePlan:
     config_dtype: str | None = None
     #: files made by the plan itself (relative name -> bytes), e.g. adapter_config.json
     generated: dict[str, bytes] = field(default_factory=dict)
+    #: the judge's :class:`core.judge.Verdict` on the output tensors (None: not run)
+    check: object = None
 
     @property
     def total_bytes(self) -> int:
@@ -249,8 +257,6 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     elif config_dir is None:
         warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
                         "weights only and will not load with from_pretrained")
-    tied = (tie_word_embeddings(config_dir) if config_dir
-            else (layout.derived_config or {}).get("tie_word_embeddings"))
     lora, adapter = lora_choice(layout, options)
     mode = options.lora if lora is not None else None
     sources = dict(layout.tensors)
@@ -261,7 +267,6 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         if config_dir is None and not options.hf_config:
             config_dir, copy = options.base_model, config_files(options.base_model)
             warnings = [w for w in warnings if not w.startswith("no Hugging Face config")]
-            tied = tie_word_embeddings(config_dir)
     # output name -> source tensor name
     mapping: dict[str, str] = {}
     for name in sources:
@@ -270,15 +275,33 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         out_name = name if mode is None else lora_mod.output_name(name, mode, adapter.name)
         if out_name is not None:
             mapping[out_name] = name
-    for out_name, emb in TIED_PAIRS:
-        if tied and out_name in mapping and emb in mapping:
-            del mapping[out_name]  # FSDP/DCP keep the tied copy; HF files must not
-        elif tied is False and out_name not in mapping and emb in mapping:
-            raise BadCheckpointError(f"the config says the embeddings are untied, but the "
-                                     f"checkpoint has no {out_name}", config_dir)
     # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
     mapping, memory_names = hf_names.saved_mapping(
         layout if base_layout is None else base_layout, mapping, config_dir)
+    verdict = _judge(layout, sources, mapping, config_dir, options)
+    if verdict.skipped is None:
+        for alias in verdict.aliases:
+            del mapping[alias]  # FSDP/DCP keep tied copies; save_pretrained writes one
+    else:  # no model class to ask: transformers' usual pair, as the config says
+        tied = (tie_word_embeddings(config_dir) if config_dir
+                else (layout.derived_config or {}).get("tie_word_embeddings"))
+        for out_name, emb in TIED_PAIRS:
+            if tied and out_name in mapping and emb in mapping:
+                del mapping[out_name]
+            elif tied is False and out_name not in mapping and emb in mapping:
+                raise BadCheckpointError(f"the config says the embeddings are untied, but the "
+                                         f"checkpoint has no {out_name}", config_dir)
+        if config_dir or derived is not None:
+            warnings.append(verdict.summary())
+    if verdict.mismatched:
+        if options.strict:
+            raise BadCheckpointError(
+                f"the weights do not match the model {verdict.architecture} of the config: "
+                + "; ".join(verdict.problems()) + f" ({verdict.matched}/{verdict.expected} "
+                "expected tensors match); pass --no-strict to write them anyway", layout.path)
+        warnings.append(f"--no-strict, written anyway: {verdict.summary()}")
+    elif verdict.note:
+        warnings.append(verdict.summary())
     source_bytes: dict[str, int] = {}
 
     def located(t: TensorInfo) -> list[Piece]:
@@ -341,8 +364,14 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     if lora is not None and mode == "both":
         warnings.append(f"{ADAPTER_DIR}/ applies to the base model, not to the folded one")
     config_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(target or "")
+    if verdict.ok and verdict.named and config_dir:
+        copy = [(src, rel) for src, rel in copy if rel != "config.json"]
+        generated["config.json"] = _config_naming(config_dir, verdict.architecture,
+                                                  config_dtype)
+        warnings.append(f"config.json written with architectures [{verdict.architecture}] "
+                        f"(the checkpoint's says {verdict.named})")
     plan = MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype,
-                     generated)
+                     generated, verdict)
     if options.model_card and not any(rel == "README.md" for _, rel in copy):
         from .publish import model_card
 
@@ -354,6 +383,36 @@ def _source(src: "str | TensorInfo", sources: dict[str, TensorInfo]) -> TensorIn
     """The tensor a mapping entry names: a stored tensor by name, or one cut by
     :func:`core.hf_names.saved_mapping`."""
     return src if isinstance(src, TensorInfo) else sources[src]
+
+
+def _judge(layout: CheckpointLayout, sources: dict[str, TensorInfo], mapping: dict,
+           config_dir: str | None, options: MergeOptions):
+    """The judge's verdict on the output tensors (``mapping``: output name -> source name or
+    cut :class:`TensorInfo`)
+    against the config's model class (:func:`core.judge.check`)."""
+    from .judge import check
+
+    tensors = {}
+    for out, src in mapping.items():  # a source name, or a tensor cut by hf_names
+        t = _source(src, sources)
+        tensors[out] = (t.shape, t.dtype)
+    fields = layout.derived_config if config_dir is None else None
+    return check(tensors, config_dir, fields, options.trust_remote_code)
+
+
+def _config_naming(config_dir: str, architecture: str, dtype: str | None) -> bytes:
+    """``config.json`` of ``config_dir`` with ``architectures`` set to the class the weights
+    are (verl's critic keeps the actor's ``*ForCausalLM``; from_pretrained would then build
+    an lm_head at random), and ``dtype`` set when the merge casts."""
+    import json
+
+    cfg = read_config(config_dir)
+    cfg["architectures"] = [architecture]
+    if dtype:
+        for key in ("dtype", "torch_dtype"):
+            if key in cfg or key == "dtype":
+                cfg[key] = dtype
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
 
 def derived_config_json(fields: dict) -> bytes:

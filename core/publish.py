@@ -73,7 +73,38 @@ This folder was written by shardscope {version} from a sharded training checkpoi
 | LoRA | {lora} |
 
 {provenance(plan)}
-"""
+{_check_section(getattr(plan, "check", None))}"""
+
+
+#: names listed per kind in the model card before "and N more"
+CARD_NAMES = 50
+
+
+def _check_section(verdict) -> str:
+    """The model card's account of the architecture check (:mod:`core.judge`): its one-line
+    result, and when the merge was written with ``--no-strict`` despite a mismatch, every
+    missing, extra or mis-shaped tensor (up to :data:`CARD_NAMES` per kind)."""
+    if verdict is None:
+        return ""
+    text = f"\nArchitecture check: {verdict.summary().removeprefix('architecture check ')}.\n"
+    if not verdict.mismatched:
+        return text
+    text += ("\n## Written with --no-strict\n\nThese weights do not match the model class of "
+             "the config; `from_pretrained` initialises missing tensors at random and ignores "
+             "extra ones.\n")
+    rows = [("Missing (not in the checkpoint)", [f"`{n}`" for n in verdict.missing]),
+            ("Extra (not in the model)", [f"`{n}`" for n in verdict.extra]),
+            ("Other shape", [f"`{n}`: {list(a)}, the model has {list(b)}"
+                             for n, a, b in verdict.shape]),
+            ("Other dtype kind", [f"`{n}`: {a}, the model has {k}"
+                                  for n, a, k in verdict.dtype])]
+    for title, items in rows:
+        if items:
+            more = (f"\n- and {len(items) - CARD_NAMES} more" if len(items) > CARD_NAMES
+                    else "")
+            text += f"\n{title} ({len(items)}):\n\n" + "\n".join(
+                f"- {i}" for i in items[:CARD_NAMES]) + more + "\n"
+    return text
 
 
 def provenance(plan) -> str:

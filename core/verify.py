@@ -51,34 +51,66 @@ def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
             on_tensor=None) -> list[Difference]:
     """Compare the tensors of the checkpoint at ``path`` with those at ``reference`` (any
     format the core reads): key sets, shapes, dtypes and values — bit-exact when ``atol`` and
-    ``rtol`` are 0. Reads one tensor at a time. Raises BadCheckpointError for unreadable input.
+    ``rtol`` are 0. Aliases of one tied tensor count as that tensor (:func:`tied_aliases`): a
+    side holding only the kept name is compared through it. Reads one tensor at a time.
+    Raises BadCheckpointError for unreadable input.
     """
     from .formats import detect
+    from .plan import natural_key
 
     a, b = detect(path), detect(reference)
     for lay in (a, b):
         if lay.errors:
             raise BadCheckpointError(lay.errors[0].message, lay.errors[0].path or lay.path)
     diffs = []
-    for n in sorted(set(b.tensors) - set(a.tensors)):
-        diffs.append(Difference(n, "missing", "in the reference only"))
-    for n in sorted(set(a.tensors) - set(b.tensors)):
-        diffs.append(Difference(n, "extra", "not in the reference"))
-    for n in sorted(set(a.tensors) & set(b.tensors)):
-        ta, tb = a.tensors[n], b.tensors[n]
+    aliases = tied_aliases(a, b) if set(a.tensors) ^ set(b.tensors) else {}
+
+    def named(lay, n: str) -> str | None:
+        """``n`` in ``lay``, or the tensor it is tied to when ``lay`` holds only that."""
+        if n in lay.tensors:
+            return n
+        kept = aliases.get(n)
+        return kept if kept in lay.tensors else None
+
+    pairs = []
+    for n in sorted(set(a.tensors) | set(b.tensors), key=natural_key):
+        na, nb = named(a, n), named(b, n)
+        if na is None:
+            diffs.append(Difference(n, "missing", "in the reference only"))
+        elif nb is None:
+            diffs.append(Difference(n, "extra", "not in the reference"))
+        else:
+            pairs.append((n, na, nb))
+    for n, na, nb in pairs:
+        ta, tb = a.tensors[na], b.tensors[nb]
         if ta.shape != tb.shape:
             diffs.append(Difference(n, "shape", f"{ta.shape} vs {tb.shape}"))
             continue
         if ta.dtype != tb.dtype and not (atol or rtol):
             diffs.append(Difference(n, "dtype", f"{ta.dtype} vs {tb.dtype} (compare values "
                                                 "across dtypes with --atol/--rtol)"))
-        xa, xb = read_tensor(a, n), read_tensor(b, n)
+        xa, xb = read_tensor(a, na), read_tensor(b, nb)
         d = _value_difference(xa, xb, atol, rtol)
         if d:
             diffs.append(Difference(n, "values", d))
         if on_tensor:
             on_tensor(n)
     return diffs
+
+
+def tied_aliases(*layouts) -> dict[str, str]:
+    """Tied copies of the model of the first layout with a config (:func:`core.judge.
+    tied_aliases`): alias -> the name ``save_pretrained`` keeps. A reference written by
+    ``save_pretrained`` of a tied model lacks the aliases (``lm_head.weight``; T5's
+    ``encoder.embed_tokens``, ``decoder.embed_tokens`` and ``lm_head`` beside ``shared``) that
+    a training checkpoint holds: ``compare`` treats each alias as its kept tensor."""
+    from .judge import tied_aliases as aliases_of
+
+    for lay in layouts:
+        found = aliases_of(lay.config_dir)
+        if found:
+            return found
+    return {}
 
 
 def _value_difference(xa, xb, atol, rtol) -> str:

@@ -225,3 +225,21 @@ def formats_root() -> Path:
         write_formats(tmp)
 
     return cached(_cache_root().parent / f"formats-{key}", write, lock="lock-formats")
+
+
+@pytest.fixture(scope="session")
+def heads_root() -> Path:
+    """Folder holding ``critic/``, ``reward/`` and ``t5/`` (verl-layout FSDP2 checkpoints on 2
+    ranks of models with a score head or T5's tied embeddings) and their ``<kind>.reference/``
+    (save_pretrained), written by :mod:`core.sample_heads` and cached like
+    :func:`fixtures_root`."""
+    from importlib.metadata import version
+
+    import torch
+
+    from core.sample_heads import write_heads
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("transformers"),
+         (ROOT / "core" / "sample_heads.py").read_text()]).encode()).hexdigest()[:16]
+    return cached(_cache_root().parent / f"heads-{key}", write_heads, lock="lock-heads")

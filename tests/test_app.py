@@ -300,3 +300,19 @@ async def test_megatron_inspector_and_merge(megatron_root, tmp_path):
         run = await run_to_end(pilot, app)
         assert "verified" in str(run.query_one("#result").render())
     assert_bit_equal(load(tmp_path / "out"), load(megatron_root / "llama" / "reference"))
+
+
+@pytest.mark.asyncio
+async def test_inspector_shows_the_architecture_check_in_the_background(fixtures_root):
+    app = make_app(str(fixtures_root / "w3-buffers"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_inspector(pilot, app)
+        await wait_for(pilot, lambda: screen.verdict is not None, tries=1200)
+        summary = " ".join(str(screen.query_one("#summary").render()).split())
+        assert "check does not match Qwen2ForCausalLM: 27/27 tensors match; 3 extra " \
+               "(model.loss_scale, model.no_elements, model.step_count)" in summary
+    app = make_app(str(fixtures_root / "w2-dcp"))  # no config: skipped, and why
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_inspector(pilot, app)
+        await wait_for(pilot, lambda: screen.verdict is not None, tries=1200)
+        assert "skipped: no config.json" in str(screen.query_one("#summary").render())

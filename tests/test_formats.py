@@ -38,8 +38,13 @@ def merge(src, out: Path, **kw):
 @pytest.mark.parametrize("name", ["fp8-fsdp2", "fp8-dcp", "fp8-dcp-per-item"])
 def test_float8_and_uint_tensors_merge_bit_exact(formats_root, tmp_path, name):
     hf = formats_root / "fp8-fsdp2" / "huggingface"
-    layout = merge(formats_root / name, tmp_path / "out",
-                   hf_config=None if name == "fp8-fsdp2" else str(hf))
+    hf_config = None if name == "fp8-fsdp2" else str(hf)
+    # the float8/uint buffers are registered on a Llama that does not define them: the
+    # architecture check (core/judge.py) refuses them as extra tensors unless not strict
+    with pytest.raises(BadCheckpointError, match=r"5 extra \(model.ids_u16, model.ids_u32, "
+                       r"model.layers.0.mlp.amax_fp8, \.\.\.\).*--no-strict"):
+        merge(formats_root / name, tmp_path / "out", hf_config=hf_config)
+    layout = merge(formats_root / name, tmp_path / "out", hf_config=hf_config, strict=False)
     assert FP8_DTYPES <= set(layout.dtypes)
     # the float8 parameter is sharded like the others (a DTensor of float8 in FSDP2)
     assert len(layout.tensors["model.layers.2.mlp.down_proj.weight"].pieces) == 2
@@ -50,7 +55,7 @@ def test_float8_and_uint_tensors_merge_bit_exact(formats_root, tmp_path, name):
 
 
 def test_dtype_cast_leaves_float8_and_integers_as_stored(formats_root, tmp_path):
-    merge(formats_root / "fp8-fsdp2", tmp_path / "out", dtype="bf16")
+    merge(formats_root / "fp8-fsdp2", tmp_path / "out", dtype="bf16", strict=False)
     out, ref = load(tmp_path / "out"), load(formats_root / "fp8.reference")
     assert set(out) == set(ref)
     for k, r in ref.items():

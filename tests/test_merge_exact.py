@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import ALL, BY_NAME
-from core import MergeOptions, detect, plan_merge, run_merge
+from core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 
 
 def load(folder: Path) -> dict[str, torch.Tensor]:
@@ -46,7 +46,14 @@ def test_merge_is_bit_exact(fixtures_root, tmp_path, name):
     src = fixtures_root / name
     ref = fixtures_root / f"{name}.reference"
     hf_config = None if (src / "huggingface").is_dir() else str(ref)
-    layout, plan, result = merge(src, tmp_path / "out", hf_config=hf_config)
+    # persistent buffers Qwen2ForCausalLM does not define: the judge refuses them as extra
+    # tensors unless the merge is not strict
+    strict = not BY_NAME[name].buffers
+    if not strict:
+        with pytest.raises(BadCheckpointError, match=r"3 extra \(model.loss_scale, "
+                           r"model.no_elements, model.step_count\).*--no-strict"):
+            merge(src, tmp_path / "out", hf_config=hf_config)
+    layout, plan, result = merge(src, tmp_path / "out", hf_config=hf_config, strict=strict)
     out = tmp_path / "out"
     assert_bit_equal(load(out), load(ref))
     # config and tokenizer copied byte for byte, weights of the config folder never
@@ -115,7 +122,7 @@ def test_replicated_buffers_are_taken_once(fixtures_root, tmp_path):
     for name in ("model.step_count", "model.loss_scale"):
         t = layout.tensors[name]
         assert t.placement == "plain" and len(t.pieces) == 1
-    merge(fixtures_root / "w3-buffers", tmp_path / "out")
+    merge(fixtures_root / "w3-buffers", tmp_path / "out", strict=False)  # not Qwen2's buffers
     got = load(tmp_path / "out")
     assert got["model.step_count"].dtype == torch.int64
     assert got["model.step_count"].tolist() == [0, 7, 14, 21, 28]

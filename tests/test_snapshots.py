@@ -17,6 +17,7 @@ def test_inspector(snap_compare, fixtures_root):
 
     async def ready(pilot):
         await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
         await pilot.pause(0.2)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
@@ -27,6 +28,7 @@ def test_inspector_filtered(snap_compare, fixtures_root):
 
     async def ready(pilot):
         await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
         # typed, not submitted: the pieces table stays empty, because the byte offsets it
         # shows differ between runs (a DTensor's pickle holds a per-process hash)
         await pilot.press("slash", *"embed")
@@ -42,6 +44,7 @@ def test_merge_options(snap_compare, fixtures_root):
 
     async def ready(pilot):
         await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
         await pilot.press("m")
         await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen), tries=200)
         app.screen.query_one("#output").value = "merged_hf"
@@ -55,6 +58,7 @@ def test_help(snap_compare, fixtures_root):
 
     async def ready(pilot):
         await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
         await pilot.press("question_mark")
         await pilot.pause(0.2)
 

@@ -14,9 +14,11 @@ import time
 VERL_NOTE = """\
 verl compatibility: `shardscope merge --backend fsdp --local_dir X --target_dir Y` works as
 `python -m verl.model_merger merge` does. --hf_model_path is read as --hf-config. These verl
-flags are accepted and have no effect, because shardscope never builds the model:
+flags are accepted and have no effect, because shardscope never loads the model:
 --tie-word-embedding (the config's tie_word_embeddings decides), --is-value-model (the critic's
-score head is written like any other tensor), --trust-remote-code, --use_cpu_initialization.
+score head is written like any other tensor, and checked against the config's model classes),
+--use_cpu_initialization. --trust-remote-code lets the architecture check build a model class
+that only the config folder's code defines.
 --hf_upload_path REPO_ID is read as --hf-upload REPO_ID (with --private).
 Unlike verl's merger, dtypes are kept as trained unless --dtype asks otherwise."""
 
@@ -39,10 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tag", help="DeepSpeed: the step folder to read instead of `latest`")
     i.add_argument("--hf-config", metavar="DIR",
                    help="Megatron: the Hugging Face config folder to map names with (else "
-                        "huggingface/ beside the checkpoint, else Megatron's args)")
+                        "huggingface/ beside the checkpoint, else Megatron's args); with "
+                        "--check, the config to check against")
     i.add_argument("--deep", action="store_true",
                    help="also read every tensor: check the CRC-32 of torch.save data and count "
                         "NaN/Inf per tensor (reads all bytes once)")
+    i.add_argument("--check", action="store_true",
+                   help="check the tensors against the model class of the config (built by "
+                        "transformers on the meta device, as save_pretrained writes it): "
+                        "missing, extra, shape, dtype")
+    i.add_argument("--trust-remote-code", action="store_true",
+                   help="with --check: build a model class that only the config folder's own "
+                        "code (auto_map) defines")
 
     m = sub.add_parser("merge", help="merge a sharded checkpoint into a Hugging Face folder",
                        epilog=VERL_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "reads the rank files on its own disk under PATH (which may hold "
                         "{node_rank}, {rank}, {local_rank}), rank 0 writes OUT and receives "
                         "the pieces it lacks over gloo; per-rank FSDP files only")
+    m.add_argument("--no-strict", dest="strict", action="store_false",
+                   help="write the weights even when they do not match the model class of the "
+                        "config (missing, extra, other shape or dtype kind; as "
+                        "load_state_dict(strict=False)); the model card lists what is off")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="let the architecture check build a model class that only the config "
+                        "folder's own code (auto_map) defines (runs that code)")
     m.add_argument("-v", "--verbose", action="store_true", help="log each step")
     m.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     # verl.model_merger's flags
@@ -99,8 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--local_dir", help=argparse.SUPPRESS)
     m.add_argument("--target_dir", help=argparse.SUPPRESS)
     m.add_argument("--hf_model_path", help=argparse.SUPPRESS)
-    for flag in ("--tie-word-embedding", "--is-value-model", "--trust-remote-code",
-                 "--use_cpu_initialization"):
+    for flag in ("--tie-word-embedding", "--is-value-model", "--use_cpu_initialization"):
         m.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     m.add_argument("--hf_upload_path", help=argparse.SUPPRESS)
 
@@ -265,10 +281,18 @@ def cmd_inspect(args) -> int:
     if deep_done:
         layout.notes.append("deep check: every tensor read; CRC-32 of torch.save data checked "
                             "and NaN/Inf counted (problems below, if any)")
+    verdict = None
+    if args.check:
+        from core.judge import check_layout
+
+        verdict = check_layout(layout, args.hf_config, args.trust_remote_code)
+        add_verdict(layout, verdict)
     if args.json:
         d = layout.to_dict()
         if not args.params:
             d.pop("params")
+        if verdict is not None:
+            d["check"] = verdict.to_dict()
         print(json.dumps(d, indent=2))
     else:
         from rich.console import Console
@@ -281,6 +305,20 @@ def cmd_inspect(args) -> int:
 
             Console().print(ShardingMap(layout.tensors[name], layout, height=12))
     return 3 if layout.errors else 0
+
+
+def add_verdict(layout, verdict) -> None:
+    """Record the judge's verdict on ``layout``: a note when it matches, an
+    ``architecture-mismatch`` error or a ``check-skipped`` warning otherwise."""
+    from core import Problem
+
+    where = layout.config_dir or layout.path
+    if verdict.ok:
+        layout.notes.append(verdict.summary())
+    elif verdict.skipped is not None:
+        layout.problems.append(Problem("check-skipped", verdict.summary(), where, "warning"))
+    else:
+        layout.problems.append(Problem("architecture-mismatch", verdict.summary(), where))
 
 
 def _deep(layout, show: bool):
@@ -335,7 +373,8 @@ def cmd_merge(args) -> int:
                         workers=args.workers, lora=args.lora,
                         lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
                         lora_config=args.lora_config, base_model=args.base_model,
-                        model_card=not args.no_card, hf_upload=repo_id, private=args.private)
+                        model_card=not args.no_card, hf_upload=repo_id, private=args.private,
+                        strict=args.strict, trust_remote_code=args.trust_remote_code)
     plan = plan_merge(layout, opts)
     for w in plan.warnings:
         err.print(f"[yellow]warning:[/] {w}", highlight=False)

@@ -62,3 +62,11 @@ class StatsComputed(Message):
 
     name: str
     text: str
+
+
+@dataclass
+class ArchitectureChecked(Message):
+    """The background architecture check finished: ``verdict`` is the judge's
+    :class:`core.judge.Verdict` on the checkpoint against its config's model class."""
+
+    verdict: object

@@ -15,7 +15,7 @@ from textual.widgets import (DataTable, Footer, Header, Input, Static, TabbedCon
 
 from core import CheckpointLayout, TensorInfo
 from tui.format import short_path
-from tui.messages import StatsComputed
+from tui.messages import ArchitectureChecked, StatsComputed
 from tui.widgets.layout_summary import LayoutSummary
 from tui.widgets.param_tree import ParamTree
 from tui.widgets.shard_table import ShardTable
@@ -68,6 +68,8 @@ class InspectorScreen(Screen):
         self.ckpt = layout
         #: the tensor whose statistics the panel shows or is reading (None: no tensor)
         self.stats_for: str | None = None
+        #: the architecture check's verdict, once the background worker has posted it
+        self.verdict = None
         # set before mount: a title set in on_mount races the Header's own mount
         self.title = f"shardscope — {os.path.basename(os.path.abspath(layout.path))}"
 
@@ -122,6 +124,25 @@ class InspectorScreen(Screen):
         self.query_one("#pieces", DataTable).add_columns("rank", "offsets", "shape",
                                                          "bytes at", "file")
         self.query_one("#params", ParamTree).focus()
+        self.call_after_refresh(self.run_check)  # after the first screen: it imports torch
+
+    @work(thread=True, group="check", exclusive=True, exit_on_error=False,
+          description="architecture check")
+    def run_check(self) -> None:
+        """Judge the checkpoint against its config's model class (core/judge.py) in a
+        thread; posts :class:`ArchitectureChecked`."""
+        from core.judge import Verdict, check_layout
+
+        try:
+            verdict = check_layout(self.ckpt)
+        except Exception as e:  # noqa: BLE001 - shown, never a crash of the inspector
+            verdict = Verdict(skipped=f"failed ({type(e).__name__}: {e})")
+        self.post_message(ArchitectureChecked(verdict))
+
+    @on(ArchitectureChecked)
+    def _checked(self, msg: ArchitectureChecked) -> None:
+        self.verdict = msg.verdict
+        self.query_one("#summary", LayoutSummary).show_check(msg.verdict)
 
     def check_action(self, action: str, parameters) -> bool | None:
         if action == "names":  # only readers that rename tensors (Megatron) record sources

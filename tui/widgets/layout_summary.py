@@ -9,8 +9,10 @@ from core import CheckpointLayout
 from tui.format import human_bytes, human_count
 
 
-def summary_text(layout: CheckpointLayout) -> str:
-    """Rich markup describing ``layout`` (one fact per line, labels aligned)."""
+def summary_text(layout: CheckpointLayout, check=None) -> str:
+    """Rich markup describing ``layout`` (one fact per line, labels aligned); with ``check``
+    (a :class:`core.judge.Verdict`), its one-line result last (green: matches, red: does not,
+    yellow: skipped)."""
     d = layout.to_dict()
     par = " ".join(f"{k}={v}" for k, v in d["parallel"].items() if v > 1) or "none"
     rows = [
@@ -26,9 +28,15 @@ def summary_text(layout: CheckpointLayout) -> str:
     if layout.lora is not None:
         rows.append(("LoRA", layout.lora.summary()))
     rows += list(layout.details.items())
+    if check is not None:
+        rows.append(("check", check.summary().removeprefix("architecture check ")))
     width = max(len(label) for label, _ in rows) + 2  # two spaces: never "labelvalue"
-    return "\n".join(f"[b]{escape(label)}[/]{' ' * (width - len(label))}{escape(text)}"
-                     for label, text in rows)
+    lines = [f"[b]{escape(label)}[/]{' ' * (width - len(label))}{escape(text)}"
+             for label, text in rows]
+    if check is not None:
+        color = "green" if check.ok else "yellow" if check.skipped else "red"
+        lines[-1] = f"[{color}]{lines[-1]}[/]"
+    return "\n".join(lines)
 
 
 def _no_config(layout: CheckpointLayout) -> str:
@@ -50,3 +58,8 @@ class LayoutSummary(Static):
 
     def __init__(self, layout: CheckpointLayout, **kw):
         super().__init__(summary_text(layout), **kw)
+        self.checkpoint = layout
+
+    def show_check(self, verdict) -> None:
+        """Add the architecture check's result (a :class:`core.judge.Verdict`)."""
+        self.update(summary_text(self.checkpoint, verdict))
