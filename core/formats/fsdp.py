@@ -57,26 +57,93 @@ def sniff(path: str) -> bool:
     return p.is_dir() and bool(_rank_files(p)[1])
 
 
-def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple[int, ...] | None]:
-    """(mesh shape, dimension names, this rank's coordinate) from a pickled DeviceMesh.
-    torch 2.13 keeps the shape in ``_layout.axes`` (one ``_FlatLayout`` per dim) and the
-    coordinate in ``_coordinate_on_dim``; older releases keep a ``mesh`` tensor."""
-    names = mesh.get("_mesh_dim_names")
-    names = tuple(names) if names else None
-    coord = mesh.get("_coordinate_on_dim")
-    coord = tuple(coord) if coord is not None else None
-    layout = mesh.get("_layout")
-    shape: tuple[int, ...] = ()
-    if isinstance(layout, Record) and layout.get("axes"):
+#: torch.save archives do not record the torch release that wrote them
+UNKNOWN_RELEASE = ("a record layout this reader does not know (the file does not say which "
+                   "torch release wrote it; torch 2.4-2.14 are known)")
+
+
+class MeshRecordError(ValueError):
+    """A pickled DeviceMesh, placement or DTensorSpec whose layout this reader does not know
+    (a torch release newer than the ones it was checked against); the message names the
+    field."""
+
+
+def _mesh_shape_from_layout(layout: Record) -> tuple[int, ...]:
+    """Mesh shape from a pickled ``torch.distributed._mesh_layout._MeshLayout``.
+
+    torch 2.13-2.14 keep ``axes``: one ``_FlatLayout`` per mesh dimension whose ``shape`` may
+    be a (nested) tuple: the dimension's size is the product. torch 2.10-2.12 keep the CuTe
+    pair ``shape``/``stride`` directly, one entry (an int or a nested tuple) per mesh
+    dimension (torch/distributed/_mesh_layout.py of each release)."""
+    axes = layout.get("axes")
+    if axes is not None:
         dims = []
-        for ax in layout.get("axes"):
+        for ax in axes:
             s = ax.get("shape") if isinstance(ax, Record) else None
-            dims.append(math.prod(_flatten(s)) if s is not None else 0)
-        shape = tuple(dims)
-    elif isinstance(mesh.get("mesh"), TensorRef):
-        shape = mesh.get("mesh").shape
-    elif isinstance(mesh.get("_rank_map"), TensorRef):
-        shape = mesh.get("_rank_map").shape
+            if s is None:
+                raise MeshRecordError(f"DeviceMesh._layout.axes holds {_kind(ax)}, not a "
+                                      "_FlatLayout with a shape")
+            dims.append(_prod(s, "DeviceMesh._layout.axes[].shape"))
+        return tuple(dims)
+    shape = layout.get("shape")
+    if isinstance(shape, (tuple, list)):
+        return tuple(_prod(s, "DeviceMesh._layout.shape") for s in shape)
+    if isinstance(shape, int):
+        return (shape,)
+    raise MeshRecordError(f"DeviceMesh._layout ({layout.name}) has neither axes nor shape "
+                          f"(fields: {_fields(layout)})")
+
+
+def _prod(x, what: str) -> int:
+    vals = list(_flatten(x))
+    if not vals or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in vals):
+        raise MeshRecordError(f"{what} is {x!r}, not sizes")
+    return math.prod(vals)
+
+
+def _kind(x) -> str:
+    return f"{x.module}.{x.name}" if isinstance(x, Record) else type(x).__name__
+
+
+def _fields(rec: Record) -> str:
+    st = _state(rec)
+    return ", ".join(sorted(map(str, st))) if st else "none"
+
+
+def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple[int, ...] | None]:
+    """(mesh shape, dimension names, this rank's coordinate) from a pickled DeviceMesh
+    (``DeviceMesh.__getstate__`` pickles its ``__dict__``; torch/distributed/device_mesh.py).
+
+    Where each release keeps the shape: torch <= 2.9 a ``mesh`` tensor of the mesh's shape;
+    torch 2.10-2.12 ``_layout`` = ``_MeshLayout(shape, stride)`` beside a flat ``_rank_map``;
+    torch 2.13-2.14 ``_layout.axes`` (one ``_FlatLayout`` per dimension). Names:
+    ``mesh_dim_names`` (<= 2.5) or ``_mesh_dim_names``; coordinate: ``_coordinate_on_dim``
+    (``None`` when the file's rank is outside the mesh). Raises :class:`MeshRecordError`
+    naming the field for any other layout."""
+    if not isinstance(mesh, Record) or mesh.name != "DeviceMesh":
+        raise MeshRecordError(f"DTensorSpec.mesh is {_kind(mesh)}, not a DeviceMesh")
+    st = _state(mesh)
+    names = st.get("_mesh_dim_names", st.get("mesh_dim_names"))
+    names = tuple(map(str, names)) if names else None
+    coord = st.get("_coordinate_on_dim")
+    coord = tuple(coord) if isinstance(coord, (tuple, list)) else None
+    layout = st.get("_layout")
+    if isinstance(layout, Record):
+        shape = _mesh_shape_from_layout(layout)
+    elif isinstance(st.get("mesh"), TensorRef):
+        shape = tuple(st["mesh"].shape)
+    elif isinstance(st.get("_rank_map"), TensorRef):
+        shape = tuple(st["_rank_map"].shape)
+    else:
+        raise MeshRecordError(f"DeviceMesh record has no mesh tensor nor _layout (fields: "
+                              f"{_fields(mesh)})")
+    if names is not None and len(names) != len(shape):
+        raise MeshRecordError(f"DeviceMesh names {names} for a {len(shape)}-D mesh {shape}")
+    if coord is not None and (len(coord) != len(shape) or not all(
+            isinstance(c, int) and 0 <= c < n for c, n in zip(coord, shape))):
+        raise MeshRecordError(f"DeviceMesh._coordinate_on_dim {coord} lies outside the mesh "
+                              f"{shape}")
     return shape, names, coord
 
 
@@ -89,34 +156,104 @@ def _flatten(x):
 
 
 def _placement_str(p: Record) -> str:
-    if p.name == "Shard" or p.name == "_StridedShard":
-        return f"{p.name.lstrip('_')}({p.get('dim')})"
+    if not isinstance(p, Record):
+        return type(p).__name__
+    if p.name == "_StridedShard":
+        return f"StridedShard({p.get('dim')}, {p.get('split_factor')})"
+    if p.name == "Shard":
+        return f"Shard({p.get('dim')})"
     return f"{p.name}()"
 
 
+SHARD_KINDS = ("Shard", "_StridedShard")
+
+
+def shard_orders(ndim: int, mesh_shape: tuple[int, ...], placements: list[Record],
+                 recorded=None) -> dict[int, list[int]]:
+    """For each sharded tensor dim, the mesh dims that shard it in the order they apply.
+
+    Default: left to right. ``_StridedShard(d, split_factor=sf)`` on mesh dim ``i`` means
+    that before it, ``d`` was already cut into ``sf`` pieces by mesh dims to its right: it
+    applies after those (torch/distributed/tensor/_dtensor_spec.py,
+    ``_maybe_convert_StridedShard_to_shard_order``, placement_types.py ``_StridedShard``;
+    FSDP2 over TP gives ``(_StridedShard(0, tp), Shard(0))``: cut into ``tp`` chunks, each
+    cut into ``dp`` pieces). Without a ``_StridedShard``, a recorded ``shard_order``
+    (``ShardOrderEntry(tensor_dim, mesh_dims)``, torch >= 2.10) gives the order. Raises
+    :class:`MeshRecordError` for placements or orders this reader does not know."""
+    order: dict[int, list[int]] = {}
+    if len(placements) != len(mesh_shape):
+        raise MeshRecordError(f"{len(placements)} placements for a {len(mesh_shape)}-D mesh")
+    for p in placements:
+        if not isinstance(p, Record) or p.name not in SHARD_KINDS + ("Replicate",):
+            if isinstance(p, Record) and "Partial" in p.name:
+                raise MeshRecordError(f"placement {p.name} (a pending reduction, not stored "
+                                      "weights) cannot be merged")
+            raise MeshRecordError(f"placement {_kind(p)} is not supported")
+        if p.name in SHARD_KINDS:
+            d = p.get("dim")
+            if not isinstance(d, int) or not -ndim <= d < ndim:
+                raise MeshRecordError(f"placement {_placement_str(p)} of a {ndim}-D tensor")
+    def dim_of(p):
+        d = p.get("dim")
+        return d + ndim if d < 0 else d
+
+    if any(p.name == "_StridedShard" for p in placements):
+        for i in reversed(range(len(placements))):
+            p = placements[i]
+            if p.name not in SHARD_KINDS:
+                continue
+            sf = p.get("split_factor") if p.name == "_StridedShard" else 1
+            dims = order.setdefault(dim_of(p), [])
+            acc, placed = 1, False
+            for k in range(len(dims) + 1):
+                if acc == sf:
+                    dims.insert(k, i)
+                    placed = True
+                    break
+                if k < len(dims):
+                    acc *= mesh_shape[dims[k]]
+            if not placed:
+                raise MeshRecordError(f"placement {_placement_str(p)} on mesh dim {i}: its "
+                                      f"split factor matches no order of the mesh {mesh_shape}")
+        return order
+    for i, p in enumerate(placements):
+        if p.name in SHARD_KINDS:
+            order.setdefault(dim_of(p), []).append(i)
+    if recorded:
+        for e in recorded:
+            args = e.args if isinstance(e, Record) else e
+            if not (isinstance(args, (tuple, list)) and len(args) == 2):
+                raise MeshRecordError(f"DTensorSpec.shard_order entry {_kind(e)} is not "
+                                      "(tensor_dim, mesh_dims)")
+            td, mds = args[0], tuple(args[1])
+            if sorted(mds) != sorted(order.get(td, [])):
+                raise MeshRecordError(f"DTensorSpec.shard_order {td}: {mds} disagrees with "
+                                      "the placements")
+            order[td] = list(mds)
+    return order
+
+
 def local_box(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
-              placements: list[Record]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+              placements: list[Record], recorded_order=None
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local shape) of the shard held at mesh coordinate ``coord``.
 
-    DTensor's even-chunk rule (torch ``compute_local_shape_and_global_offset``, default shard
-    order): mesh dims in order; ``Shard(d)`` over ``n`` ranks gives each ``ceil(size/n)``
-    elements of dim ``d``, the last ones fewer or none. Raises ValueError for placements
-    other than ``Shard``/``Replicate`` (``_StridedShard``, ``Partial``).
+    DTensor's chunk rule (torch ``compute_local_shape_and_global_offset``; ``Shard`` follows
+    ``torch.chunk``): each tensor dim is cut by the mesh dims that shard it, in the order of
+    :func:`shard_orders`; a cut over ``n`` ranks gives each ``ceil(size/n)`` elements, the
+    last ones fewer or none, and the next cut divides the piece already taken. Raises
+    :class:`MeshRecordError` (a ValueError) for placements it cannot place (``Partial``).
     """
     offsets = [0] * len(global_shape)
     sizes = list(global_shape)
-    for i, p in enumerate(placements):
-        if p.name == "Replicate":
-            continue
-        if p.name != "Shard":
-            raise ValueError(f"placement {_placement_str(p)} is not supported yet")
-        d = p.get("dim")
-        d = d + len(global_shape) if d < 0 else d
-        n, c = mesh_shape[i], coord[i]
-        chunk = -(-sizes[d] // n) if sizes[d] else 0
-        start = min(chunk * c, sizes[d])
-        offsets[d] += start
-        sizes[d] = max(0, min(chunk, sizes[d] - start))
+    for d, mesh_dims in shard_orders(len(global_shape), mesh_shape, placements,
+                                     recorded_order).items():
+        for i in mesh_dims:
+            n, c = mesh_shape[i], coord[i]
+            chunk = -(-sizes[d] // n) if sizes[d] else 0
+            start = min(chunk * c, sizes[d])
+            offsets[d] += start
+            sizes[d] = max(0, min(chunk, sizes[d] - start))
     return tuple(offsets), tuple(sizes)
 
 
@@ -201,9 +338,16 @@ class _Builder:
         mesh = spec.get("mesh")
         info = self.mesh_cache.get(id(mesh))  # tensors of a rank share one pickled mesh
         if info is None:
-            info = self.mesh_cache[id(mesh)] = (_mesh_info(mesh), mesh)
+            try:
+                info = self.mesh_cache[id(mesh)] = (_mesh_info(mesh), mesh)
+            except MeshRecordError as e:
+                raise BadCheckpointError(f"{name}: {e}; {UNKNOWN_RELEASE}", path) from None
         mesh_shape, names, coord = info[0]
         placements = list(spec.get("placements") or ())
+        if gshape is None or len(gshape) == 0 and placements and any(
+                isinstance(p, Record) and p.name in SHARD_KINDS for p in placements):
+            raise BadCheckpointError(f"{name}: DTensorSpec without tensor_meta (fields: "
+                                     f"{_fields(spec)}); {UNKNOWN_RELEASE}", path)
         pstr = ", ".join(_placement_str(p) for p in placements)
         t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
         if self.mesh is None:
@@ -216,10 +360,12 @@ class _Builder:
         if coord is None:
             coord = tuple(_unravel(rank, mesh_shape))
         for i, p in enumerate(placements):
-            self.shard_dims_by_mesh_dim.setdefault(i, set()).add(p.name)
+            self.shard_dims_by_mesh_dim.setdefault(i, set()).add(
+                "Shard" if isinstance(p, Record) and p.name in SHARD_KINDS else _kind(p))
         try:
-            offsets, shape = local_box(gshape, mesh_shape, coord, placements)
-        except ValueError as e:
+            offsets, shape = local_box(gshape, mesh_shape, coord, placements,
+                                       spec.get("shard_order"))
+        except MeshRecordError as e:
             self.layout.problems.append(Problem("unsupported-placement", f"{name}: {e}", path))
             return
         if shape != local.shape:
