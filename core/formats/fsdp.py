@@ -62,6 +62,10 @@ UNKNOWN_RELEASE = ("a record layout this reader does not know (the file does not
                    "torch release wrote it; torch 2.4-2.14 are known)")
 
 
+class UnknownRecordError(BadCheckpointError):
+    """A rank file whose DTensor records have a layout this reader does not know."""
+
+
 class MeshRecordError(ValueError):
     """A pickled DeviceMesh, placement or DTensorSpec whose layout this reader does not know
     (a torch release newer than the ones it was checked against); the message names the
@@ -133,9 +137,7 @@ def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, t
         shape = _mesh_shape_from_layout(layout)
     elif isinstance(st.get("mesh"), TensorRef):
         shape = tuple(st["mesh"].shape)
-    elif isinstance(st.get("_rank_map"), TensorRef):
-        shape = tuple(st["_rank_map"].shape)
-    else:
+    else:  # a flat ``_rank_map`` alone does not give the shape (torch >= 2.10 keeps it 1-D)
         raise MeshRecordError(f"DeviceMesh record has no mesh tensor nor _layout (fields: "
                               f"{_fields(mesh)})")
     if names is not None and len(names) != len(shape):
@@ -233,6 +235,27 @@ def shard_orders(ndim: int, mesh_shape: tuple[int, ...], placements: list[Record
     return order
 
 
+def torch24_fsdp_tp_order(mesh: Record, placements: list[Record]):
+    """The shard order of torch <= 2.4's FSDP2 + TP, or ``None``.
+
+    torch 2.4's FSDP2 hard-codes the placements of a tensor-parallel parameter as
+    ``(Shard(0), <TP placement>)`` on the ``(dp, tp)`` mesh (torch 2.4
+    distributed/_composable/fsdp/_fsdp_param.py, ``_spmd_placements``) while its data is cut
+    by ``tp`` first, then by ``dp`` inside each TP piece (torch 2.5 introduced
+    ``_StridedShard`` to record exactly that). So a ``(Shard(d), Shard(d))`` record on a 2-D
+    mesh written by torch <= 2.4 (its DeviceMesh pickles ``_parent_mesh``; 2.5 and later
+    ``_root_mesh`` or a ``_layout``) means mesh dim 1, then mesh dim 0."""
+    st = _state(mesh) if isinstance(mesh, Record) else {}
+    if "_parent_mesh" not in st or "_root_mesh" in st or "_layout" in st:
+        return None
+    if len(placements) == 2 and all(isinstance(p, Record) and p.name == "Shard"
+                                    for p in placements):
+        d0, d1 = placements[0].get("dim"), placements[1].get("dim")
+        if d0 == d1:
+            return [(d0, (1, 0))]
+    return None
+
+
 def local_box(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
               placements: list[Record], recorded_order=None
               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -274,8 +297,11 @@ class _Builder:
         self.shard_dims_by_mesh_dim: dict[int, set[str]] = {}
         self.skipped: set[str] = set()
         self.mesh_reported = False
-        self.seen: set[tuple] = set()
+        self.seen: dict[tuple, Piece] = {}
+        #: (tensor, kept piece, identical-place piece of another rank): replica copies
+        self.copies: list[tuple[str, Piece, Piece]] = []
         self.mesh_cache: dict[int, tuple] = {}
+        self.legacy_tp_noted = False
 
     def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
         t = self.layout.tensors.get(name)
@@ -291,9 +317,11 @@ class _Builder:
         if piece.numel == 0:
             return
         key = (t.name, piece.global_offsets, piece.shape)
-        if key in self.seen:  # replicas (HSDP, replicated buffers): keep the first copy
+        first = self.seen.get(key)
+        if first is not None:  # replicas (HSDP, replicated buffers): keep the first copy
+            self.copies.append((t.name, first, piece))
             return
-        self.seen.add(key)
+        self.seen[key] = piece
         t.pieces.append(piece)
 
     def add_rank(self, rank: int, path: str, root) -> None:
@@ -341,12 +369,12 @@ class _Builder:
             try:
                 info = self.mesh_cache[id(mesh)] = (_mesh_info(mesh), mesh)
             except MeshRecordError as e:
-                raise BadCheckpointError(f"{name}: {e}; {UNKNOWN_RELEASE}", path) from None
+                raise UnknownRecordError(f"{name}: {e}; {UNKNOWN_RELEASE}", path) from None
         mesh_shape, names, coord = info[0]
         placements = list(spec.get("placements") or ())
         if gshape is None or len(gshape) == 0 and placements and any(
                 isinstance(p, Record) and p.name in SHARD_KINDS for p in placements):
-            raise BadCheckpointError(f"{name}: DTensorSpec without tensor_meta (fields: "
+            raise UnknownRecordError(f"{name}: DTensorSpec without tensor_meta (fields: "
                                      f"{_fields(spec)}); {UNKNOWN_RELEASE}", path)
         pstr = ", ".join(_placement_str(p) for p in placements)
         t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
@@ -361,10 +389,19 @@ class _Builder:
             coord = tuple(_unravel(rank, mesh_shape))
         for i, p in enumerate(placements):
             self.shard_dims_by_mesh_dim.setdefault(i, set()).add(
-                "Shard" if isinstance(p, Record) and p.name in SHARD_KINDS else _kind(p))
+                ("Shard" if p.name in SHARD_KINDS else p.name) if isinstance(p, Record)
+                else _kind(p))
         try:
-            offsets, shape = local_box(gshape, mesh_shape, coord, placements,
-                                       spec.get("shard_order"))
+            order = spec.get("shard_order")
+            legacy = torch24_fsdp_tp_order(mesh, placements)
+            if legacy is not None:
+                order = legacy
+                if not self.legacy_tp_noted:
+                    self.legacy_tp_noted = True
+                    self.layout.notes.append(
+                        "torch <= 2.4 FSDP2 + TP records: (Shard, Shard) placed TP first, as "
+                        "that release's FSDP2 cut them")
+            offsets, shape = local_box(gshape, mesh_shape, coord, placements, order)
         except MeshRecordError as e:
             self.layout.problems.append(Problem("unsupported-placement", f"{name}: {e}", path))
             return
@@ -432,6 +469,120 @@ def _mesh_parallel(shape, names, kinds: dict[int, set[str]]) -> dict[str, int]:
     return par
 
 
+def _serve_from_replicas(layout: CheckpointLayout, b: _Builder, world: int,
+                         missing: list[int], replica_dims: list[int]) -> None:
+    """HSDP with rank files missing: the mesh dims in ``replica_dims`` hold identical copies
+    (every tensor is ``Replicate`` there), so a lost rank is no loss while another replica
+    holds each of its shards. When every tensor is still tiled exactly, the missing ranks
+    become warnings naming the replica that served them, after checking that the copies
+    present agree byte for byte; otherwise the coverage gaps (naming each tensor) stay
+    errors beside the missing ranks."""
+    gaps = [p for t in layout.tensors.values() for p in coverage_problems(t)]
+    if gaps:
+        layout.problems.insert(0, Problem(
+            "lost-shard", f"ranks {', '.join(map(str, missing[:8]))} of {world} are missing "
+            f"and no HSDP replica present holds all their shards ({len(gaps)} tensors lack a "
+            f"piece, e.g. {gaps[0].message})", layout.path))
+        layout.problems.extend(gaps)
+        return
+    shape = layout.mesh_shape
+    present = {f.rank for f in layout.files if f.status != "missing"}
+    coords = {r: tuple(_unravel(r, shape)) for r in range(world)}
+    served = []
+    for r in missing:
+        same = [q for q in sorted(present) if all(
+            coords[q][i] == coords[r][i] for i in range(len(shape)) if i not in replica_dims)]
+        served.append(f"rank {r} from rank {same[0]}" if same else f"rank {r}")
+    for p in layout.problems:
+        if p.code == "missing-rank":
+            p.severity = "warning"
+            p.message += " (HSDP: another replica holds its shards)"
+    bad = _disagreeing_copies(b.copies)
+    if bad:
+        layout.problems.append(Problem(
+            "replica-mismatch", f"{bad[0]}: the HSDP replicas present differ, so the copies "
+            f"that stand in for the missing ranks cannot be trusted ({len(bad)} tensors differ)",
+            layout.path))
+        return
+    layout.notes.append(f"HSDP: {len(missing)} of {world} rank files missing; every shard has a "
+                        f"copy on another replica ({'; '.join(served[:8])}); the "
+                        f"{len(b.copies)} replica copies present agree byte for byte")
+
+
+def _disagreeing_copies(copies: list[tuple[str, Piece, Piece]]) -> list[str]:
+    """Names of tensors whose replica pieces differ in their bytes (contiguous pieces are
+    compared as raw bytes; others element row by row through their strides)."""
+    from ..dtypes import ITEMSIZE
+
+    bad: list[str] = []
+    handles: dict[str, object] = {}
+    try:
+        for name, a, c in copies:
+            if name in bad or a.dtype != c.dtype:
+                bad += [] if name in bad else [name]
+                continue
+            size = ITEMSIZE[a.dtype]
+            if _contiguous(a) and _contiguous(c):
+                if not _same_bytes(handles, a, c, a.numel * size):
+                    bad.append(name)
+            elif _raw(handles, a, size) != _raw(handles, c, size):
+                bad.append(name)
+    finally:
+        for f in handles.values():
+            f.close()
+    return bad
+
+
+def _handle(handles: dict, path: str):
+    if path not in handles:
+        handles[path] = open(path, "rb")
+    return handles[path]
+
+
+def _contiguous(p: Piece) -> bool:
+    want = 1
+    for n, st in zip(reversed(p.shape), reversed(p.stride)):
+        if n > 1 and st != want:
+            return False
+        want *= n
+    return True
+
+
+def _same_bytes(handles: dict, a: Piece, c: Piece, nbytes: int, block: int = 1 << 24) -> bool:
+    fa, fc = _handle(handles, a.file), _handle(handles, c.file)
+    for start in range(0, nbytes, block):
+        n = min(block, nbytes - start)
+        fa.seek(a.byte_offset + start)
+        fc.seek(c.byte_offset + start)
+        if fa.read(n) != fc.read(n):
+            return False
+    return True
+
+
+def _raw(handles: dict, p: Piece, size: int) -> bytes:
+    """The bytes of piece ``p`` in C order, read through its strides (``size``: item size)."""
+    f = _handle(handles, p.file)
+    if not p.shape:
+        f.seek(p.byte_offset)
+        return f.read(size)
+    inner, inner_stride = p.shape[-1], p.stride[-1]
+    out = bytearray()
+    outer = p.shape[:-1]
+    for idx in range(math.prod(outer)):
+        off, rem = 0, idx
+        for n, st in zip(reversed(outer), reversed(p.stride[:-1])):
+            off += (rem % n) * st
+            rem //= n
+        f.seek(p.byte_offset + off * size)
+        if inner_stride == 1:
+            out += f.read(inner * size)
+        else:
+            row = f.read(((inner - 1) * inner_stride + 1) * size)
+            out += b"".join(row[k * inner_stride * size:(k * inner_stride + 1) * size]
+                            for k in range(inner))
+    return bytes(out)
+
+
 def read(path: str) -> CheckpointLayout:
     """Read the layout of a per-rank FSDP folder (metadata only: the pickles, never tensor data).
 
@@ -493,6 +644,9 @@ def read(path: str) -> CheckpointLayout:
         try:
             b.mesh_cache.clear()
             b.add_rank(r, fpath, read_torch_archive(fpath).root)
+        except UnknownRecordError as e:
+            sf.status = "unreadable"
+            layout.problems.append(Problem("unsupported-record", e.message, fpath))
         except BadCheckpointError as e:
             sf.status = "unreadable"
             layout.problems.append(problem_for(e, fpath))
@@ -521,8 +675,13 @@ def read(path: str) -> CheckpointLayout:
                 "key-mismatch", f"rank {r} lacks {len(miss)} keys (e.g. {miss[0]})", files.get(r)))
     if b.skipped:
         layout.notes.append(f"{len(b.skipped)} non-tensor entries skipped")
-    if not any(p.code in ("missing-rank", "unreadable-file", "truncated-file", "unsafe-pickle")
-               for p in layout.problems):
+    unreadable = any(p.code in ("unreadable-file", "truncated-file", "unsafe-pickle",
+                                "unsupported-record") for p in layout.problems)
+    replica_dims = [i for i, n in enumerate(layout.mesh_shape)
+                    if b.shard_dims_by_mesh_dim.get(i) == {"Replicate"} and n > 1]
+    if n_missing and not unreadable and replica_dims and n_missing < world:
+        _serve_from_replicas(layout, b, world, missing, replica_dims)
+    elif not unreadable and not any(p.code == "missing-rank" for p in layout.problems):
         for t in layout.tensors.values():
             layout.problems.extend(coverage_problems(t))
     hf = root / "huggingface"
