@@ -72,7 +72,7 @@ def _tp_variants():
                                             sequence_parallel=False, seed=51, vocab=301)],
         6: [TPVariant("tp-3x2", mesh_shape=(3, 2), seed=52, vocab=271, hidden=32),
             TPVariant("tp-2x3", mesh_shape=(2, 3), mesh_names=("data", "model"), seed=53,
-                      vocab=257, hidden=48)],
+                      vocab=277, hidden=48)],
     }
 
 

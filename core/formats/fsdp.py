@@ -235,27 +235,6 @@ def shard_orders(ndim: int, mesh_shape: tuple[int, ...], placements: list[Record
     return order
 
 
-def torch24_fsdp_tp_order(mesh: Record, placements: list[Record]):
-    """The shard order of torch <= 2.4's FSDP2 + TP, or ``None``.
-
-    torch 2.4's FSDP2 hard-codes the placements of a tensor-parallel parameter as
-    ``(Shard(0), <TP placement>)`` on the ``(dp, tp)`` mesh (torch 2.4
-    distributed/_composable/fsdp/_fsdp_param.py, ``_spmd_placements``) while its data is cut
-    by ``tp`` first, then by ``dp`` inside each TP piece (torch 2.5 introduced
-    ``_StridedShard`` to record exactly that). So a ``(Shard(d), Shard(d))`` record on a 2-D
-    mesh written by torch <= 2.4 (its DeviceMesh pickles ``_parent_mesh``; 2.5 and later
-    ``_root_mesh`` or a ``_layout``) means mesh dim 1, then mesh dim 0."""
-    st = _state(mesh) if isinstance(mesh, Record) else {}
-    if "_parent_mesh" not in st or "_root_mesh" in st or "_layout" in st:
-        return None
-    if len(placements) == 2 and all(isinstance(p, Record) and p.name == "Shard"
-                                    for p in placements):
-        d0, d1 = placements[0].get("dim"), placements[1].get("dim")
-        if d0 == d1:
-            return [(d0, (1, 0))]
-    return None
-
-
 def local_box(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
               placements: list[Record], recorded_order=None
               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -301,7 +280,6 @@ class _Builder:
         #: (tensor, kept piece, identical-place piece of another rank): replica copies
         self.copies: list[tuple[str, Piece, Piece]] = []
         self.mesh_cache: dict[int, tuple] = {}
-        self.legacy_tp_noted = False
 
     def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
         t = self.layout.tensors.get(name)
@@ -392,16 +370,8 @@ class _Builder:
                 ("Shard" if p.name in SHARD_KINDS else p.name) if isinstance(p, Record)
                 else _kind(p))
         try:
-            order = spec.get("shard_order")
-            legacy = torch24_fsdp_tp_order(mesh, placements)
-            if legacy is not None:
-                order = legacy
-                if not self.legacy_tp_noted:
-                    self.legacy_tp_noted = True
-                    self.layout.notes.append(
-                        "torch <= 2.4 FSDP2 + TP records: (Shard, Shard) placed TP first, as "
-                        "that release's FSDP2 cut them")
-            offsets, shape = local_box(gshape, mesh_shape, coord, placements, order)
+            offsets, shape = local_box(gshape, mesh_shape, coord, placements,
+                                       spec.get("shard_order"))
         except MeshRecordError as e:
             self.layout.problems.append(Problem("unsupported-placement", f"{name}: {e}", path))
             return
