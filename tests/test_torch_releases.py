@@ -246,3 +246,18 @@ def test_hsdp_replicas_that_disagree_are_refused(hsdp):
     layout = detect(hsdp)
     probs = [p for p in layout.errors if p.code == "replica-mismatch"]
     assert probs and "model.norm.weight" in probs[0].message
+
+
+def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_root, tmp_path):
+    """DCP's ``HuggingFaceStorageWriter`` records no global shape: with its last rank file
+    gone the inferred embedding is short, and the refusal says a rank file is probably
+    missing rather than only that the config disagrees."""
+    import shutil
+
+    ck = shutil.copytree(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
+    (ck / "shard-00003-model-00001-of-00001.safetensors").unlink()
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 3 and "rank file is probably missing" in r.stderr
+    assert not (tmp_path / "out").exists()
