@@ -356,19 +356,39 @@ class _Builder:
                                      f"{_fields(spec)}); {UNKNOWN_RELEASE}", path)
         pstr = ", ".join(_placement_str(p) for p in placements)
         t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
+        # A submesh (e.g. FSDP2's ``dp`` mesh of a (dp, tp) world, holding the parameters TP
+        # left whole) keeps its root in ``_root_mesh`` (torch >= 2.5): tensors on either are
+        # one checkpoint; its dims map to the root's by name.
+        root = _state(mesh).get("_root_mesh")
+        level, dim_map = (mesh_shape, names), list(range(len(mesh_shape)))
+        if isinstance(root, Record) and root is not mesh:
+            rinfo = self.mesh_cache.get(id(root))
+            if rinfo is None:
+                try:
+                    rinfo = self.mesh_cache[id(root)] = (_mesh_info(root), root)
+                except MeshRecordError as e:
+                    raise UnknownRecordError(f"{name}: _root_mesh: {e}; {UNKNOWN_RELEASE}",
+                                             path) from None
+            level = rinfo[0][:2]
+            if coord is None:
+                raise UnknownRecordError(f"{name}: a DeviceMesh slice without "
+                                         f"_coordinate_on_dim; {UNKNOWN_RELEASE}", path)
+            dim_map = [level[1].index(n) if level[1] and names and n in level[1] else None
+                       for n in (names or [None] * len(mesh_shape))]
         if self.mesh is None:
-            self.mesh = (mesh_shape, names)
-        elif self.mesh != (mesh_shape, names) and not self.mesh_reported:
+            self.mesh = level
+        elif self.mesh != level and not self.mesh_reported:
             self.mesh_reported = True
             self.layout.problems.append(Problem(
-                "mesh-mismatch", f"{name}: device mesh {mesh_shape} {names} here, "
+                "mesh-mismatch", f"{name}: device mesh {level[0]} {level[1]} here, "
                 f"{self.mesh[0]} {self.mesh[1]} elsewhere", path))
         if coord is None:
             coord = tuple(_unravel(rank, mesh_shape))
         for i, p in enumerate(placements):
-            self.shard_dims_by_mesh_dim.setdefault(i, set()).add(
-                ("Shard" if p.name in SHARD_KINDS else p.name) if isinstance(p, Record)
-                else _kind(p))
+            if i < len(dim_map) and dim_map[i] is not None:
+                self.shard_dims_by_mesh_dim.setdefault(dim_map[i], set()).add(
+                    ("Shard" if p.name in SHARD_KINDS else p.name) if isinstance(p, Record)
+                    else _kind(p))
         try:
             offsets, shape = local_box(gshape, mesh_shape, coord, placements,
                                        spec.get("shard_order"))
