@@ -263,3 +263,18 @@ def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_
                        timeout=300)
     assert r.returncode == 3 and "rank file is probably missing" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_mesh_slice_without_root_link_joins_its_mesh(tp_root, tmp_path):
+    """Norms without sequence parallelism stay on FSDP2's ``dp`` slice of the (dp, tp) mesh.
+    torch >= 2.10 links the slice to its root (``_root_mesh``); older releases pickle no link:
+    with the field renamed away the slice is still matched to the mesh by its dim names."""
+    import shutil
+
+    ck = shutil.copytree(tp_root / "tp-2x2-qwen-bf16", tmp_path / "ck")
+    for r in range(4):
+        _rewrite_pickle(ck / f"model_world_size_4_rank_{r}.pt",
+                        b"\x0a\x00\x00\x00_root_mesh", b"\x0a\x00\x00\x00_root_mesx")
+    layout = _merge(ck, tmp_path / "out")
+    assert layout.mesh_shape == (2, 2) and layout.parallel == {"fsdp": 2, "tp": 2}
+    assert_bit_equal(load(tmp_path / "out"), load(tp_root / "tp-2x2-qwen-bf16.reference"))

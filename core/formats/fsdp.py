@@ -122,7 +122,7 @@ def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, t
     Where each release keeps the shape: torch <= 2.9 a ``mesh`` tensor of the mesh's shape;
     torch 2.10-2.12 ``_layout`` = ``_MeshLayout(shape, stride)`` beside a flat ``_rank_map``;
     torch 2.13-2.14 ``_layout.axes`` (one ``_FlatLayout`` per dimension). Names:
-    ``mesh_dim_names`` (<= 2.5) or ``_mesh_dim_names``; coordinate: ``_coordinate_on_dim``
+    ``mesh_dim_names`` (<= 2.9) or ``_mesh_dim_names``; coordinate: ``_coordinate_on_dim``
     (``None`` when the file's rank is outside the mesh). Raises :class:`MeshRecordError`
     naming the field for any other layout."""
     if not isinstance(mesh, Record) or mesh.name != "DeviceMesh":
@@ -273,13 +273,23 @@ class _Builder:
         self.layout = layout
         self.keys_by_rank: dict[int, set[str]] = {}
         self.mesh: tuple[tuple[int, ...], tuple[str, ...] | None] | None = None
-        self.shard_dims_by_mesh_dim: dict[int, set[str]] = {}
+        #: placement kinds seen per mesh dim (keyed by dim name when the mesh names them)
+        self.shard_dims_by_mesh_dim: dict[int | str, set[str]] = {}
         self.skipped: set[str] = set()
         self.mesh_reported = False
         self.seen: dict[tuple, Piece] = {}
         #: (tensor, kept piece, identical-place piece of another rank): replica copies
         self.copies: list[tuple[str, Piece, Piece]] = []
         self.mesh_cache: dict[int, tuple] = {}
+
+    def kinds_by_dim(self) -> dict[int, set[str]]:
+        """Placement kinds seen per dim of the checkpoint's mesh (``self.mesh``)."""
+        names = self.mesh[1] if self.mesh else None
+        out: dict[int, set[str]] = {}
+        for i in range(len(self.mesh[0]) if self.mesh else 0):
+            out[i] = set(self.shard_dims_by_mesh_dim.get(i, set())) | (
+                self.shard_dims_by_mesh_dim.get(names[i], set()) if names else set())
+        return out
 
     def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
         t = self.layout.tensors.get(name)
@@ -357,10 +367,11 @@ class _Builder:
         pstr = ", ".join(_placement_str(p) for p in placements)
         t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
         # A submesh (e.g. FSDP2's ``dp`` mesh of a (dp, tp) world, holding the parameters TP
-        # left whole) keeps its root in ``_root_mesh`` (torch >= 2.5): tensors on either are
-        # one checkpoint; its dims map to the root's by name.
+        # left whole) keeps its root in ``_root_mesh`` (torch >= 2.10); older releases keep
+        # no link, so a named mesh whose dims are named dims of the same sizes in another
+        # mesh of the file is taken as its slice. Tensors on either are one checkpoint.
         root = _state(mesh).get("_root_mesh")
-        level, dim_map = (mesh_shape, names), list(range(len(mesh_shape)))
+        level = (mesh_shape, names)
         if isinstance(root, Record) and root is not mesh:
             rinfo = self.mesh_cache.get(id(root))
             if rinfo is None:
@@ -369,15 +380,16 @@ class _Builder:
                 except MeshRecordError as e:
                     raise UnknownRecordError(f"{name}: _root_mesh: {e}; {UNKNOWN_RELEASE}",
                                              path) from None
-            level = rinfo[0][:2]
-            if coord is None:
-                raise UnknownRecordError(f"{name}: a DeviceMesh slice without "
-                                         f"_coordinate_on_dim; {UNKNOWN_RELEASE}", path)
-            dim_map = [level[1].index(n) if level[1] and names and n in level[1] else None
-                       for n in (names or [None] * len(mesh_shape))]
-        if self.mesh is None:
+            if rinfo[0][:2] != level:
+                level = rinfo[0][:2]
+                if coord is None or not _is_slice((mesh_shape, names), level):
+                    raise UnknownRecordError(
+                        f"{name}: DeviceMesh slice {mesh_shape} {names} of {level[0]} "
+                        f"{level[1]} without named dims or _coordinate_on_dim; "
+                        f"{UNKNOWN_RELEASE}", path)
+        if self.mesh is None or _is_slice(self.mesh, level):
             self.mesh = level
-        elif self.mesh != level and not self.mesh_reported:
+        elif self.mesh != level and not _is_slice(level, self.mesh) and not self.mesh_reported:
             self.mesh_reported = True
             self.layout.problems.append(Problem(
                 "mesh-mismatch", f"{name}: device mesh {level[0]} {level[1]} here, "
@@ -385,10 +397,9 @@ class _Builder:
         if coord is None:
             coord = tuple(_unravel(rank, mesh_shape))
         for i, p in enumerate(placements):
-            if i < len(dim_map) and dim_map[i] is not None:
-                self.shard_dims_by_mesh_dim.setdefault(dim_map[i], set()).add(
-                    ("Shard" if p.name in SHARD_KINDS else p.name) if isinstance(p, Record)
-                    else _kind(p))
+            self.shard_dims_by_mesh_dim.setdefault(names[i] if names else i, set()).add(
+                ("Shard" if p.name in SHARD_KINDS else p.name) if isinstance(p, Record)
+                else _kind(p))
         try:
             offsets, shape = local_box(gshape, mesh_shape, coord, placements,
                                        spec.get("shard_order"))
@@ -433,6 +444,15 @@ class _Builder:
             self._check_fits(name, ref, path)
             self.add(t, Piece(path, ref.byte_offset, ref.dtype, ref.shape, ref.stride,
                               offsets, rank))
+
+
+def _is_slice(a: tuple, b: tuple) -> bool:
+    """True when mesh ``a`` (shape, names) is a proper slice of mesh ``b``: every dim of ``a``
+    is named and is a dim of ``b`` of the same name and size."""
+    (ashape, anames), (bshape, bnames) = a, b
+    if not anames or not bnames or len(ashape) >= len(bshape):
+        return False
+    return all(n in bnames and bshape[bnames.index(n)] == s for n, s in zip(anames, ashape))
 
 
 def _unravel(rank: int, shape: tuple[int, ...]) -> list[int]:
@@ -654,7 +674,7 @@ def read(path: str) -> CheckpointLayout:
                                            files[r]))
     if b.mesh:
         layout.mesh_shape, layout.mesh_dim_names = b.mesh
-        layout.parallel = _mesh_parallel(b.mesh[0], b.mesh[1], b.shard_dims_by_mesh_dim)
+        layout.parallel = _mesh_parallel(b.mesh[0], b.mesh[1], b.kinds_by_dim())
     elif world > 1:
         layout.parallel = {"fsdp": world}
     all_keys = set().union(*b.keys_by_rank.values()) if b.keys_by_rank else set()
@@ -668,7 +688,7 @@ def read(path: str) -> CheckpointLayout:
     unreadable = any(p.code in ("unreadable-file", "truncated-file", "unsafe-pickle",
                                 "unsupported-record") for p in layout.problems)
     replica_dims = [i for i, n in enumerate(layout.mesh_shape)
-                    if b.shard_dims_by_mesh_dim.get(i) == {"Replicate"} and n > 1]
+                    if b.kinds_by_dim().get(i) == {"Replicate"} and n > 1]
     if n_missing and not unreadable and replica_dims and n_missing < world:
         _serve_from_replicas(layout, b, world, missing, replica_dims)
     elif not unreadable and not any(p.code == "missing-rank" for p in layout.problems):

@@ -37,13 +37,16 @@ LAYOUTS = {
     "fsdp2_hsdp_2x2_named": (4, "fsdp2", {"mesh": (2, 2), "names": ("ddp", "fsdp")}),
     "fsdp2_hsdp_2x2_unnamed": (4, "fsdp2", {"mesh": (2, 2), "names": None}),
     "fsdp2_tp_2x2": (4, "fsdp2_tp", {"mesh": (2, 2), "names": ("dp", "tp")}),
+    # torch 2.5-2.7 refuse uneven FSDP + TP shards: every TP-sharded dim divides by 4 here
+    "fsdp2_tp_2x2_even": (4, "fsdp2_tp", {"mesh": (2, 2), "names": ("dp", "tp"),
+                                          "vocab": 64}),
     "dcp_fsdp2_1d": (3, "dcp", {"mesh": (3,), "names": ("fsdp",)}),
 }
 
 
-def _config(dtype: str) -> dict:
+def _config(dtype: str, vocab: int = VOCAB) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
         "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
         "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
@@ -52,7 +55,7 @@ def _config(dtype: str) -> dict:
     }
 
 
-def _build(seed: int, dtype: str):
+def _build(seed: int, dtype: str, vocab: int = VOCAB):
     import torch
     from torch import nn
 
@@ -86,7 +89,7 @@ def _build(seed: int, dtype: str):
     class Inner(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
+            self.embed_tokens = nn.Embedding(vocab, HIDDEN)
             self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
             self.norm = Norm()
 
@@ -94,7 +97,7 @@ def _build(seed: int, dtype: str):
         def __init__(self):
             super().__init__()
             self.model = Inner()
-            self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+            self.lm_head = nn.Linear(HIDDEN, vocab, bias=False)
 
     torch.manual_seed(seed)
     m = Model()
@@ -151,7 +154,8 @@ def _write_layout(rank: int, world: int, root: Path, name: str, kind: str, opts:
 
     fully_shard, DTensor = _imports()
     dtype = opts.get("dtype", "bfloat16")
-    model, Layer = _build(seed, dtype)
+    vocab = opts.get("vocab", VOCAB)
+    model, Layer = _build(seed, dtype, vocab)
     ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = root / name
     ckpt = out / "checkpoint"
@@ -160,7 +164,8 @@ def _write_layout(rank: int, world: int, root: Path, name: str, kind: str, opts:
         ckpt.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in ref.items()},
                   str(out / "reference" / "model.safetensors"), metadata={"format": "pt"})
-        (out / "reference" / "config.json").write_text(json.dumps(_config(dtype), indent=2))
+        (out / "reference" / "config.json").write_text(
+            json.dumps(_config(dtype, vocab), indent=2))
     dist.barrier()
     mesh = None
     if opts.get("mesh"):
@@ -223,10 +228,11 @@ def _rank_main(rank: int, world: int, port: int, root: str, names: list[str]) ->
     dist.init_process_group("gloo", rank=rank, world_size=world)
     skipped = {}
     try:
-        for i, name in enumerate(names):
+        for name in names:
             _, kind, opts = LAYOUTS[name]
             try:
-                info = _write_layout(rank, world, Path(root), name, kind, opts, seed=60 + i)
+                info = _write_layout(rank, world, Path(root), name, kind, opts,
+                                     seed=60 + list(LAYOUTS).index(name))
                 err = None
             except Exception as e:  # noqa: BLE001 - a release that lacks the layout
                 info, err = None, f"{type(e).__name__}: {e}"
@@ -295,6 +301,8 @@ shards are uneven. Layouts:
 - `fsdp2_1d_unnamed`: FSDP2 on an unnamed 1-D mesh, fp32, 2 ranks
 - `fsdp2_hsdp_2x2_named` / `_unnamed`: FSDP2 on a `(ddp, fsdp)` HSDP mesh, 4 ranks
 - `fsdp2_tp_2x2`: `parallelize_module` over `tp`, then `fully_shard` over `dp` of a `(dp, tp)` mesh
+  (uneven rows); `fsdp2_tp_2x2_even`: the same with vocab 64, rows that divide (torch 2.5-2.7
+  refuse uneven FSDP + TP)
 - `dcp_fsdp2_1d`: `torch.distributed.checkpoint.save` of an FSDP2 state dict, 3 ranks
 
 "tested" = merged bit for bit by the test; "skipped" = the release refuses to write that
