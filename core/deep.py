@@ -38,7 +38,7 @@ def _archives(layout: CheckpointLayout) -> list[tuple[str, int, int]]:
         for p in t.pieces:
             if p.archive is not None:
                 seen[(p.file, p.archive[0], p.archive[1])] = None
-            elif layout.format in ("fsdp", "megatron-legacy"):
+            elif layout.format in ("fsdp", "megatron-legacy", "hf-bin"):
                 seen[(p.file, 0, -1)] = None
     return list(seen)
 
@@ -52,6 +52,10 @@ def _check_crc(path: str, base: int, length: int) -> list[Problem]:
         try:
             zf = zipfile.ZipFile(_Window(f, base, length))
         except (zipfile.BadZipFile, OSError, ValueError) as e:
+            f.seek(base)
+            if base == 0 and f.read(1) == b"\x80":  # legacy (non-zip) torch.save: no CRC
+                return [Problem("no-checksum", "legacy (non-zip) torch.save file: it records "
+                                "no CRC-32, flipped bytes cannot be found", path, "warning")]
             return [Problem("unreadable-file", f"not a zip archive at byte {base} ({e})", path)]
         for info in zf.infolist():
             if "/data/" not in info.filename and not info.filename.startswith("data/"):
@@ -104,6 +108,8 @@ def deep_check(layout: CheckpointLayout,
             except BadCheckpointError as e:
                 problems.append(Problem("unreadable-file", e.message, e.path))
                 continue
+            if t.dtype.startswith("F8"):  # isinf has no float8 kernel; exact in float32
+                x = x.to(torch.float32)
             nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
             if nan or inf:
                 problems.append(Problem("nan-inf", f"{name}: {nan} NaN and {inf} Inf of "

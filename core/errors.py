@@ -11,11 +11,15 @@ class ShardscopeError(Exception):
     """Base class. ``exit_code`` is what the command line exits with (3: bad checkpoint)."""
 
     exit_code = 3
+    #: a stable code for ``inspect --json`` (e.g. ``path-outside-checkpoint``, ``wrong-folder``)
+    code = "bad-checkpoint"
 
-    def __init__(self, message: str, path: str | None = None):
+    def __init__(self, message: str, path: str | None = None, *, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.path = path
+        if code is not None:
+            self.code = code
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}" if self.path else self.message
@@ -28,11 +32,14 @@ class BadCheckpointError(ShardscopeError):
 class UnsafeCheckpointError(BadCheckpointError):
     """A pickle names a global outside the known tensor records (it could run code on load)."""
 
+    code = "unsafe-pickle"
+
 
 class UsageError(ShardscopeError):
     """The user asked for something impossible (exit code 2)."""
 
     exit_code = 2
+    code = "usage"
 
 
 class OutputExistsError(UsageError):

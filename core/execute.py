@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -176,6 +176,23 @@ def _span(p: Piece) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(p.shape, p.stride))
 
 
+def _piece_bytes(p: Piece, src: _Sources):
+    """The piece's elements in C order as bytes (a numpy uint8 array; reads its strided
+    extent once, copies only when the piece is not contiguous)."""
+    import numpy as np
+
+    size = ITEMSIZE[p.dtype]
+    if p.contiguous:
+        return np.frombuffer(_pread_exact(src.fd(p.file), p.nbytes, p.byte_offset, p.file),
+                             dtype=np.uint8)
+    n = _span(p)
+    word = np.dtype(f"<u{size}")
+    buf = np.frombuffer(_pread_exact(src.fd(p.file), n * size, p.byte_offset, p.file),
+                        dtype=word, count=n)
+    part = np.lib.stride_tricks.as_strided(buf, p.shape, [st * size for st in p.stride])
+    return np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+
+
 def _piece_tensor(p: Piece, src: _Sources):
     """The piece as a torch tensor (reads its bytes)."""
     import warnings
@@ -229,13 +246,43 @@ def assemble_bytes(pieces: list[Piece], shape: tuple[int, ...], dtype: str, src:
     return full
 
 
-def fold_lora(w, a, b, scale: float, out_dtype):
-    """``W + (B @ A) * scale`` computed in float32 and cast once to ``out_dtype``, in the order
-    peft's ``merge_and_unload`` uses (delta in the adapter's fp32, one rounding at the end)."""
+def fold_lora(w, a, b, scale: float, out_dtype, kind: str = "linear", magnitude=None):
+    """One adapter folded into weight ``w`` with peft's own operations and dtypes, so the
+    result equals ``merge_and_unload`` bit for bit (peft 0.21 ``tuners/lora/layer.py``
+    ``Linear.merge``/``Embedding.merge``/``get_delta_weight``, ``tuners/lora/variants.py``
+    ``DoraLinearVariant.merge_unsafe``, ``tuners/lora/dora.py`` ``get_weight_norm``):
+
+    - the delta is ``(B @ A) * scale`` (``linear``) or ``(B @ A).T * scale`` (``embedding``)
+      in the adapter's dtype; a bf16/fp16 adapter is multiplied in float32 and the delta cast
+      back to the adapter's dtype (peft does so on the CPU);
+    - ``linear``: ``W += delta`` in place (a bf16 weight plus an fp32 delta rounds once);
+      ``embedding``: ``W += delta.to(W.dtype)``;
+    - ``dora``: ``norm = ||W + delta||`` per row (``torch.linalg.norm(dim=1)``, in the sum's
+      dtype), ``W' = (magnitude / norm).view(-1, 1) * (W + delta)`` cast to ``W``'s dtype.
+
+    Then cast to ``out_dtype`` (``--dtype``). Shapes: ``w`` (out, in), ``a`` (r, in), ``b``
+    (out, r); for ``embedding`` ``w`` (num_embeddings, dim), ``a`` (r, num_embeddings),
+    ``b`` (dim, r); ``magnitude`` (out,)."""
     import torch
 
-    delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
-    return (w.to(torch.float32) + delta).to(out_dtype)
+    lora_dtype = a.dtype if kind == "embedding" else b.dtype
+    cast = lora_dtype in (torch.float16, torch.bfloat16)
+    if cast:
+        a, b = a.float(), b.float()
+    delta = ((b @ a).T if kind == "embedding" else b @ a) * scale
+    if cast:
+        delta = delta.to(dtype=lora_dtype)
+    w = w.clone()
+    if kind == "embedding":
+        w += delta.to(w.dtype)
+    elif kind == "dora":
+        summed = w + 1 * delta
+        norm = torch.linalg.norm(summed, dim=1).to(summed.dtype)
+        factor = (magnitude / norm).view(-1, 1)
+        w = (factor * (w + delta)).to(w.dtype)
+    else:
+        w += delta
+    return w.to(out_dtype)
 
 
 def _row_blocks(t: OutputTensor) -> bool:
@@ -287,11 +334,13 @@ class _Writer:
             w = assemble(t.pieces, t.shape, t.source.dtype, self.src, t.source.flat)
             a = assemble(f.a_pieces, f.a.shape, f.a.dtype, self.src, f.a.flat)
             b = assemble(f.b_pieces, f.b.shape, f.b.dtype, self.src, f.b.flat)
-            x = fold_lora(w, a, b, f.scale, torch_dtype(t.dtype)).contiguous()
+            m = (assemble(f.m_pieces, f.magnitude.shape, f.magnitude.dtype, self.src,
+                          f.magnitude.flat) if f.magnitude is not None else None)
+            x = fold_lora(w, a, b, f.scale, torch_dtype(t.dtype), f.kind, m).contiguous()
             import torch
 
             _pwrite_all(dst, x.reshape(-1).view(torch.uint8).numpy(), offset)
-            for p in (*t.pieces, *f.a_pieces, *f.b_pieces):
+            for p in (*t.pieces, *f.a_pieces, *f.b_pieces, *f.m_pieces):
                 self._report(p, 0)
             self._report(None, t.nbytes)
         elif _row_blocks(t):
@@ -302,12 +351,15 @@ class _Writer:
                 out_bytes = p.numel * ITEMSIZE[t.dtype]
                 if p.dtype == t.dtype and p.contiguous:
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
-                elif p.contiguous and {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
-                    # numpy, not torch: same bits, and no 2 s torch import for a cast
+                elif p.dtype == t.dtype or {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
+                    # numpy, not torch: same bits, and no 2 s torch import for a cast or a
+                    # strided piece (e.g. q/k rows permuted by core/native_names.py)
                     from .cast import cast_bytes
 
-                    buf = _pread_exact(self.src.fd(p.file), p.nbytes, p.byte_offset, p.file)
-                    _pwrite_all(dst, cast_bytes(buf, p.dtype, t.dtype), pos)
+                    buf = _piece_bytes(p, self.src)
+                    if p.dtype != t.dtype:
+                        buf = cast_bytes(buf, p.dtype, t.dtype)
+                    _pwrite_all(dst, buf, pos)
                 else:
                     import torch
 

@@ -56,6 +56,21 @@ def namespace(obj: Any) -> dict[str, Any]:
     return dict(state) if isinstance(state, dict) else {}
 
 
+def data_parallel(args: dict[str, Any], tp: int, pp: int) -> int:
+    """The data-parallel size of the run that wrote the checkpoint, from Megatron's ``args``:
+    ``data_parallel_size`` when recorded, else ``world_size / (TP x PP x CP)``
+    (``megatron/training/arguments.py``, ``validate_args``; expert parallelism is carved out
+    of data parallelism, so it does not divide). 1 when ``args`` say neither."""
+    dp = args.get("data_parallel_size")
+    if isinstance(dp, int) and not isinstance(dp, bool) and dp > 0:
+        return dp
+    world, cp = args.get("world_size"), args.get("context_parallel_size") or 1
+    if isinstance(world, int) and isinstance(cp, int) and world > 0 and cp > 0 and \
+            world % (tp * pp * cp) == 0:
+        return world // (tp * pp * cp)
+    return 1
+
+
 @dataclass
 class Arch:
     """What the cut needs to know of the model. Sizes in elements/rows; ``vocab`` is the true
@@ -243,8 +258,14 @@ def _fit_problems(a: Arch, cfg: dict, shapes: dict, layer_ids: set, path: str) -
         "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")
     if fc1 and a.swiglu and a.ffn != fc1[0] // 2:
         out.append(f"MLP width {a.ffn} described, linear_fc1 holds {fc1[0] // 2} (x2 rows)")
-    experts = {int(m[1]) for n in shapes if (m := LAYER_RE.match(n))
-               and EXPERT_RE.match(m[2])}
+    fc2 = shapes.get("decoder.layers.0.mlp.linear_fc2.weight") or shapes.get(
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight")
+    if fc2 and len(fc2) == 2 and a.ffn != fc2[1]:
+        out.append(f"MLP width {a.ffn} described, linear_fc2 holds {fc2[1]} columns")
+    # the expert index of ``decoder.layers.{i}.mlp.experts.local_experts.{e}.*`` (not the
+    # layer index i: a model's layer count and expert count differ, Mixtral-8x7B: 32 and 8)
+    experts = {int(x[1]) for n in shapes if (m := LAYER_RE.match(n))
+               and (x := EXPERT_RE.match(m[2]))}
     found = max(experts) + 1 if experts else 0
     if found != (a.experts or 0):
         out.append(f"{a.experts or 0} experts described, the checkpoint holds {found}")
@@ -440,8 +461,9 @@ def pipeline_text(stage_layers: dict[tuple[int, int], list[int]], pp: int, vpp: 
 
 
 def describe(arch: Arch, par: dict[str, int], stages: str, embed_ranks: str,
-             args_source: str) -> dict[str, str]:
-    """The details an inspector shows for a Megatron checkpoint (label -> text)."""
+             args_source: str, grouped_gemm: bool = False) -> dict[str, str]:
+    """The details an inspector shows for a Megatron checkpoint (label -> text);
+    ``grouped_gemm``: the experts were trained with ``--moe-grouped-gemm``."""
     a = arch
     att = f"{a.heads} heads, {a.groups} query groups"
     att += " (GQA)" if a.groups < a.heads else ""
@@ -452,6 +474,8 @@ def describe(arch: Arch, par: dict[str, int], stages: str, embed_ranks: str,
         mlp += f"; {a.experts} experts, top-{a.topk}"
         if par.get("ep", 1) > 1:
             mlp += f", {a.experts // par['ep']} per EP rank"
+        if grouped_gemm:
+            mlp += ", grouped GEMM"
     vocab = str(a.vocab) + (f" (padded to {a.padded_vocab} rows in the checkpoint)"
                             if a.padded_vocab != a.vocab else "")
     return {

@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dtypes import FLOATING, ITEMSIZE, USER_DTYPES
+from .dtypes import CASTABLE, ITEMSIZE, USER_DTYPES
 from .errors import BadCheckpointError, OutputExistsError, UsageError
 from .formats.common import config_files, read_config
-from . import lora as lora_mod
+from . import hf_names, lora as lora_mod
 from .layout import CheckpointLayout, Piece, TensorInfo, coverage_problems
 
 ADAPTER_DIR = "lora_adapter"
@@ -27,7 +27,8 @@ class MergeOptions:
     """What the user asked for.
 
     ``output``: the folder to write. ``dtype``: ``None`` keeps each tensor's dtype, else one of
-    ``bf16``/``fp16``/``fp32`` (floating-point tensors only). ``max_shard_size``: bytes or a
+    ``bf16``/``fp16``/``fp32`` (F64/F32/F16/BF16 tensors only, ``dtypes.CASTABLE``: float8,
+    integer and boolean tensors are written as stored). ``max_shard_size``: bytes or a
     string such as ``"5GB"`` (decimal units, as huggingface_hub). ``hf_config``: a folder whose
     config/tokenizer files are copied (never its weights). ``workers``: threads moving bytes.
     """
@@ -42,6 +43,12 @@ class MergeOptions:
     lora: str | None = None
     lora_adapter: str | None = None
     lora_alpha: float | None = None
+    #: the adapter's own adapter_config.json (a file, or a folder holding it), when it is not
+    #: at lora_adapter/ beside the checkpoint
+    lora_config: str | None = None
+    #: a Hugging Face folder of the base weights, for checkpoints that hold the adapter only
+    #: (verl's save_lora_only)
+    base_model: str | None = None
     #: write a model card (README.md) when the config folder brings none
     model_card: bool = True
     #: after a verified merge, upload to this Hub repository (front ends act on it; see
@@ -52,13 +59,19 @@ class MergeOptions:
 
 @dataclass
 class Fold:
-    """``W + scale * B @ A`` for one weight: the adapter tensors and their located pieces."""
+    """One adapter folded into one weight, as peft's ``merge_and_unload`` does: ``kind`` is
+    ``linear`` (``W + scale * B @ A``), ``embedding`` (``W + (scale * (B @ A).T)``, A is
+    ``lora_embedding_A``) or ``dora`` (``m / ||W + dW||_row * (W + dW)``, ``magnitude`` is
+    the module's ``lora_magnitude_vector``); the adapter tensors and their located pieces."""
 
     a: TensorInfo
     a_pieces: list[Piece]
     b: TensorInfo
     b_pieces: list[Piece]
     scale: float
+    kind: str = "linear"
+    magnitude: TensorInfo | None = None
+    m_pieces: list[Piece] = field(default_factory=list)
 
 
 @dataclass
@@ -188,7 +201,11 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
     """
     out = Path(options.output)
     check_output(out, options.overwrite, layout.path)
-    if (layout.format.startswith("megatron") and options.hf_config
+    from .native_names import DETAIL as NATIVE
+
+    native = NATIVE in layout.details or any(p.code == "native-names-no-config"
+                                             for p in layout.problems)
+    if ((layout.format.startswith("megatron") or native) and options.hf_config
             and Path(layout.config_dir or "").resolve() != Path(options.hf_config).resolve()):
         from .formats import detect  # the cut into Hugging Face tensors depends on the config
 
@@ -230,9 +247,20 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
             else (layout.derived_config or {}).get("tie_word_embeddings"))
     lora, adapter = lora_choice(layout, options)
     mode = options.lora if lora is not None else None
+    sources = dict(layout.tensors)
+    base_layout = None
+    if lora is not None and lora.lora_only:  # the base weights come from --base-model
+        base_layout = _base_model(options.base_model)
+        sources.update(base_layout.tensors)
+        if config_dir is None and not options.hf_config:
+            config_dir, copy = options.base_model, config_files(options.base_model)
+            warnings = [w for w in warnings if not w.startswith("no Hugging Face config")]
+            tied = tie_word_embeddings(config_dir)
     # output name -> source tensor name
     mapping: dict[str, str] = {}
-    for name in layout.tensors:
+    for name in sources:
+        if base_layout is not None and name in layout.tensors:
+            continue  # adapter tensors of an adapter-only checkpoint
         out_name = name if mode is None else lora_mod.output_name(name, mode, adapter.name)
         if out_name is not None:
             mapping[out_name] = name
@@ -242,6 +270,9 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         elif tied is False and out_name not in mapping and emb in mapping:
             raise BadCheckpointError(f"the config says the embeddings are untied, but the "
                                      f"checkpoint has no {out_name}", config_dir)
+    # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
+    mapping, memory_names = hf_names.saved_mapping(
+        layout if base_layout is None else base_layout, mapping, config_dir)
     source_bytes: dict[str, int] = {}
 
     def located(t: TensorInfo) -> list[Piece]:
@@ -249,42 +280,56 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
         if gaps:
             raise BadCheckpointError(gaps[0].message, gaps[0].path or layout.path)
         pieces = sorted(t.pieces, key=lambda p: p.global_offsets)
-        if layout.resolve_piece is not None:
-            pieces = [layout.resolve_piece(p) for p in pieces]
+        lay = layout if base_layout is None or t.name in layout.tensors else base_layout
+        if lay.resolve_piece is not None:
+            pieces = [lay.resolve_piece(p) for p in pieces]
         for p in pieces:
             source_bytes[p.file] = source_bytes.get(p.file, 0) + p.nbytes
         return pieces
 
     lora_src = _lora_sources(layout, adapter) if adapter is not None else {}
     tensors: dict[str, OutputTensor] = {}
+    folded: set[str] = set()
     for out_name in sorted(mapping, key=natural_key):
-        t = layout.tensors[mapping[out_name]]
-        dtype = target if target and t.dtype in FLOATING else t.dtype
+        t = _source(mapping[out_name], sources)
+        dtype = target if target and t.dtype in CASTABLE else t.dtype
         ot = OutputTensor(out_name, t.shape, dtype, t, located(t))
-        module = out_name.rsplit(".", 1)[0]
+        module = memory_names.get(out_name, out_name).rsplit(".", 1)[0]
         if mode in ("fold", "both") and out_name.endswith(".weight") and module in lora_src:
-            a, b = lora_src[module]
-            if (b.shape[0], a.shape[1]) != t.shape:
-                raise BadCheckpointError(f"{module}: lora_B @ lora_A is {(b.shape[0], a.shape[1])}"
-                                         f", the weight is {t.shape}", layout.path)
-            ot.fold = Fold(a, located(a), b, located(b), adapter.scale)
+            ot.fold = _fold(module, lora_src[module], t, adapter, located, layout.path)
+            folded.add(module)
         tensors[out_name] = ot
+    unfolded = sorted(set(lora_src) - folded, key=natural_key)
+    if mode in ("fold", "both") and unfolded:  # never leave an update out silently
+        where = options.base_model if base_layout is not None else layout.path
+        raise BadCheckpointError(f"adapter module {unfolded[0]} has no weight "
+                                 f"{unfolded[0]}.weight in the merged model to fold into"
+                                 + (f" (and {len(unfolded) - 1} more)" if len(unfolded) > 1
+                                    else ""), where)
     files, index = _shard(tensors, max_shard)
     generated: dict[str, bytes] = {}
     if derived is not None:
         generated["config.json"] = derived
     if mode in ("adapter", "both"):
         atensors = []
-        for module, (a, b) in sorted(lora_src.items(), key=lambda kv: natural_key(kv[0])):
-            for kind, t in (("lora_A", a), ("lora_B", b)):
+        for module, parts in sorted(lora_src.items(), key=lambda kv: natural_key(kv[0])):
+            for kind, t in parts.items():
                 atensors.append(OutputTensor(lora_mod.adapter_key(module, kind), t.shape,
                                              t.dtype, t, located(t)))
+        for module in sorted(lora_src, key=natural_key):
+            # peft's save_pretrained (save_embedding_layers="auto") keeps the base weights of
+            # a LoRA-wrapped input/output embedding in the adapter file as well
+            if module.rsplit(".", 1)[-1] in lora_mod.EMBEDDING_LAYER_NAMES:
+                for out_name in sorted(n for n in mapping if n.rsplit(".", 1)[0] == module):
+                    t = _source(mapping[out_name], sources)
+                    key = f"{lora_mod.PREFIX}{module}.base_layer.{out_name.rsplit('.', 1)[1]}"
+                    atensors.append(OutputTensor(key, t.shape, t.dtype, t, located(t)))
         for name, t in sorted(layout.tensors.items()):
             key = lora_mod.saved_module_key(name, adapter.name)
             if key is not None:  # the trained copy of a modules_to_save module
                 atensors.append(OutputTensor(key, t.shape, t.dtype, t, located(t)))
         files.append(OutputFile(f"{ADAPTER_DIR}/adapter_model.safetensors", atensors))
-        modules = {n.rsplit(".", 1)[0] for n in mapping}
+        modules = {memory_names.get(n, n).rsplit(".", 1)[0] for n in mapping}
         generated[f"{ADAPTER_DIR}/adapter_config.json"] = lora_mod.adapter_config_json(
             adapter, modules)
     if lora is not None and mode == "both":
@@ -297,6 +342,12 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
 
         plan.generated["README.md"] = model_card(plan, _version()).encode()
     return plan
+
+
+def _source(src: "str | TensorInfo", sources: dict[str, TensorInfo]) -> TensorInfo:
+    """The tensor a mapping entry names: a stored tensor by name, or one cut by
+    :func:`core.hf_names.saved_mapping`."""
+    return src if isinstance(src, TensorInfo) else sources[src]
 
 
 def derived_config_json(fields: dict) -> bytes:
@@ -321,13 +372,22 @@ def _version() -> str:
 
 def lora_choice(layout: CheckpointLayout, options: MergeOptions):
     """(LoraInfo, chosen AdapterInfo) or (None, None). Raises UsageError when the user must
-    choose (mode, adapter name), when alpha is unknown but needed, or for unsupported
-    variants."""
+    choose (mode, adapter name), when alpha is unknown or uncertain but needed, for
+    unsupported variants, and when an adapter-only checkpoint lacks ``--base-model``."""
     lora = layout.lora
     if lora is None or not hasattr(lora, "adapters"):
         if options.lora not in (None, "base"):
             raise UsageError(f"--lora {options.lora}: this checkpoint holds no LoRA adapter")
+        if options.base_model:
+            raise UsageError("--base-model is for checkpoints that hold a LoRA adapter only")
         return None, None
+    if options.lora_config:
+        from .lora import detect_lora, find_adapter_config
+
+        if find_adapter_config(Path(layout.path), options.lora_config) is None:
+            raise UsageError("no peft LoRA adapter_config.json there", options.lora_config)
+        lora = detect_lora({n: t.shape for n, t in layout.tensors.items()}, layout.path,
+                           options.lora_config)
     if options.lora is None:
         raise UsageError(f"the checkpoint holds LoRA ({lora.summary()}): choose --lora fold "
                          "(into the weights), adapter (base + PEFT folder), both, or base "
@@ -337,6 +397,14 @@ def lora_choice(layout: CheckpointLayout, options: MergeOptions):
     if lora.unsupported and options.lora != "base":
         raise UsageError(f"not supported yet: {', '.join(lora.unsupported)}; --lora base "
                          "writes the base weights alone")
+    if lora.lora_only and not options.base_model:
+        raise UsageError("the checkpoint holds LoRA adapter tensors only (no base weights, as "
+                         "verl's save_lora_only writes): the base weights are needed; pass "
+                         "--base-model DIR (the Hugging Face folder of the base model)",
+                         layout.path)
+    if options.base_model and not lora.lora_only:
+        raise UsageError("the checkpoint holds its own base weights; --base-model is for "
+                         "checkpoints that hold the LoRA adapter only")
     names = sorted(lora.adapters)
     if options.lora_adapter:
         if options.lora_adapter not in lora.adapters:
@@ -354,28 +422,88 @@ def lora_choice(layout: CheckpointLayout, options: MergeOptions):
         import dataclasses
 
         adapter = dataclasses.replace(adapter, lora_alpha=float(options.lora_alpha),
-                                      alpha_source="--lora-alpha")
+                                      alpha_source="--lora-alpha", alpha_doubt=None)
     if adapter.lora_alpha is None and options.lora != "base":
         raise UsageError(f"adapter {adapter.name!r}: lora_alpha is not recorded in the "
                          "checkpoint (no lora_train_meta.json or lora_adapter/"
-                         "adapter_config.json); pass the run's value with --lora-alpha, "
+                         "adapter_config.json); pass the adapter's adapter_config.json with "
+                         "--lora-config FILE or the run's value with --lora-alpha, "
                          "shardscope never invents one")
+    if adapter.alpha_doubt and options.lora != "base":
+        raise UsageError(f"adapter {adapter.name!r}: {adapter.alpha_doubt}, so each module's "
+                         "alpha is unknown; pass the adapter's adapter_config.json with "
+                         "--lora-config FILE, or --lora-alpha A when one alpha holds for every "
+                         "module")
     return lora, adapter
 
 
-def _lora_sources(layout: CheckpointLayout, adapter) -> dict[str, tuple[TensorInfo, TensorInfo]]:
-    """module -> (lora_A, lora_B) tensors of ``adapter``."""
+def _base_model(path: str):
+    """The layout of ``--base-model`` (a Hugging Face folder of the base weights)."""
+    from .formats import detect
+
+    if not Path(path, "config.json").is_file():
+        raise UsageError("is not a Hugging Face model folder (no config.json)", path)
+    base = detect(path)
+    if base.format not in ("hf", "hf-bin"):
+        raise UsageError(f"is a {base.format} checkpoint, not a Hugging Face model folder",
+                         path)
+    if base.lora is not None:
+        raise UsageError("holds a LoRA adapter itself; pass the plain base model", path)
+    if base.errors:
+        raise BadCheckpointError(base.errors[0].message, base.errors[0].path or path)
+    return base
+
+
+def _lora_sources(layout: CheckpointLayout, adapter) -> dict[str, dict[str, TensorInfo]]:
+    """module -> its adapter tensors by kind (``lora_A``/``lora_B``, or
+    ``lora_embedding_A``/``lora_embedding_B`` for an embedding; plus
+    ``lora_magnitude_vector`` under DoRA)."""
     out = {}
+
+    def get(module, suffix):
+        return (layout.tensors.get(f"{lora_mod.PREFIX}{module}.{suffix}")
+                or layout.tensors.get(f"{module}.{suffix}"))
+
     for module in adapter.modules:
-        a = layout.tensors.get(f"{lora_mod.PREFIX}{module}.lora_A.{adapter.name}.weight") or \
-            layout.tensors.get(f"{module}.lora_A.{adapter.name}.weight")
-        b = layout.tensors.get(f"{lora_mod.PREFIX}{module}.lora_B.{adapter.name}.weight") or \
-            layout.tensors.get(f"{module}.lora_B.{adapter.name}.weight")
-        if a is None or b is None:
-            raise BadCheckpointError(f"{module}: adapter {adapter.name!r} lacks lora_A or "
-                                     "lora_B", layout.path)
-        out[module] = (a, b)
+        kinds = (("lora_embedding_A", "lora_embedding_B") if module in adapter.embeddings
+                 else ("lora_A", "lora_B"))
+        parts = {}
+        for kind in kinds:
+            suffix = f"{kind}.{adapter.name}" + ("" if kind.startswith("lora_embedding")
+                                                 else ".weight")
+            t = get(module, suffix)
+            if t is None:
+                raise BadCheckpointError(f"{module}: adapter {adapter.name!r} lacks {kind}",
+                                         layout.path)
+            parts[kind] = t
+        if module in adapter.dora:
+            parts["lora_magnitude_vector"] = get(
+                module, f"lora_magnitude_vector.{adapter.name}.weight")
+        out[module] = parts
     return out
+
+
+def _fold(module: str, parts: dict, w: TensorInfo, adapter, located, where: str) -> Fold:
+    """The :class:`Fold` of ``module``'s adapter into its weight ``w``, shapes checked."""
+    if "lora_embedding_A" in parts:
+        a, b = parts["lora_embedding_A"], parts["lora_embedding_B"]
+        got, kind = (a.shape[1], b.shape[0]), "embedding"
+        what = "(lora_embedding_B @ lora_embedding_A).T"
+    else:
+        a, b = parts["lora_A"], parts["lora_B"]
+        got, kind = (b.shape[0], a.shape[1]), "linear"
+        what = "lora_B @ lora_A"
+    if got != tuple(w.shape) or a.shape[0] != b.shape[1]:
+        raise BadCheckpointError(f"{module}: {what} is {got} (rank {a.shape[0]} against "
+                                 f"{b.shape[1]}), the weight is {tuple(w.shape)}", where)
+    f = Fold(a, located(a), b, located(b), adapter.scale_for(module), kind)
+    mag = parts.get("lora_magnitude_vector")
+    if mag is not None:
+        if tuple(mag.shape) != (w.shape[0],):
+            raise BadCheckpointError(f"{module}: the DoRA magnitude has shape {mag.shape}, the "
+                                     f"weight has {w.shape[0]} rows", where)
+        f.kind, f.magnitude, f.m_pieces = "dora", mag, located(mag)
+    return f
 
 
 def _shard(tensors: dict[str, OutputTensor], max_shard: int):

@@ -122,6 +122,77 @@ def megatron_root() -> Path:
     return cached(_cache_root().parent / f"megatron-{key}", write)
 
 
+@pytest.fixture(scope="session")
+def megatron_moe_root() -> Path:
+    """Folder holding ``<set>/`` for every MoE set of :mod:`core.sample_megatron_moe` (layer
+    count != expert count; grouped GEMM), each laid out like :func:`megatron_root`'s
+    families, written by real megatron-core on gloo and cached with its own key."""
+    from importlib.metadata import version
+
+    import torch
+
+    from core.sample_megatron_moe import MOE_SETS, write_moe
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("megatron-core")] + [
+            (ROOT / "core" / n).read_text() for n in
+            ("sample_megatron_moe.py", "sample_megatron.py", "sample.py")]).encode()
+    ).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        for name in MOE_SETS:
+            write_moe(tmp / name, name)
+
+    return cached(_cache_root().parent / f"megatron-moe-{key}", write, lock="lock-moe")
+
+
+@pytest.fixture(scope="session")
+def models_root() -> Path:
+    """Folder holding ``<family>/`` (a verl-layout FSDP2 checkpoint) and
+    ``<family>.reference/`` (``save_pretrained``) for every family of
+    :mod:`core.sample_models` (VLMs, fused-expert MoEs, T5), written by real torch.distributed
+    runs and cached like :func:`fixtures_root`."""
+    from importlib.metadata import version
+
+    import torch
+
+    from core.sample_models import write_deepspeed_moe, write_models
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("transformers"),
+         (ROOT / "core" / "sample_models.py").read_text(),
+         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        write_models(tmp)
+        write_deepspeed_moe(tmp)
+
+    return cached(_cache_root().parent / f"models-{key}", write, "lock-models")
+
+
+@pytest.fixture(scope="session")
+def lora_root() -> Path:
+    """Folder holding every spec of :mod:`core.sample_lora` (real peft models sharded by
+    FSDP2 on gloo, with peft's merge_and_unload, adapter folder and the untouched base beside
+    each), cached like :func:`fixtures_root`."""
+    from importlib.metadata import version
+
+    import torch
+
+    from core.sample_lora import SPECS, write_lora_checkpoints
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("peft"), version("transformers"),
+         (ROOT / "core" / "sample_lora.py").read_text(),
+         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        for world, specs in SPECS.items():
+            write_lora_checkpoints(tmp, world, specs)
+
+    return cached(_cache_root().parent / f"lora-{key}", write, lock="lock-lora")
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)
@@ -135,3 +206,22 @@ async def wait_for(pilot, cond, tries=100):
             return
         await pilot.pause(0.05)
     raise AssertionError("condition not reached")
+
+
+@pytest.fixture(scope="session")
+def formats_root() -> Path:
+    """Folder of :mod:`core.sample_formats`' checkpoints (float8 FSDP2/DCP, FSDP1
+    LOCAL_STATE_DICT, ``.bin`` folders and ``.pt`` files, each with its reference), written by
+    real torch.distributed/torch.save runs and cached like :func:`fixtures_root`."""
+    import torch
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, (ROOT / "core" / "sample_formats.py").read_text(),
+         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        from core.sample_formats import write_formats
+
+        write_formats(tmp)
+
+    return cached(_cache_root().parent / f"formats-{key}", write, lock="lock-formats")

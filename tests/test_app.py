@@ -189,7 +189,7 @@ async def test_lora_summary_and_fold_from_the_form(fixtures_root, tmp_path):
     app = make_app(str(fixtures_root / "w2-lora-qv"))
     async with app.run_test(size=(120, 45)) as pilot:
         screen = await open_inspector(pilot, app)
-        assert "r=8, alpha=16 on q_proj, v_proj" in str(screen.query_one("#summary").render())
+        assert "r=8, alpha=16 on q_proj r=8 scale=2, v_proj r=8 scale=2" in str(screen.query_one("#summary").render())
         form = await open_form(pilot, app, tmp_path / "out")
         await refused(pilot, form, "#lora-alpha", "-3", "--lora-alpha must be positive")
         form.query_one("#lora-alpha").value = "16"

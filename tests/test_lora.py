@@ -119,12 +119,14 @@ def test_choice_is_required_and_alpha_never_invented(fixtures_root, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-def test_dora_is_refused_by_name(fixtures_root, tmp_path):
-    assert detect(fixtures_root / "w2-lora-dora").lora.unsupported == [
-        "DoRA (lora_magnitude_vector)"]
-    r = cli("merge", str(fixtures_root / "w2-lora-dora"), "-o", str(tmp_path / "o"),
-            "--lora", "fold")
-    assert r.returncode == 2 and "not supported yet: DoRA" in r.stderr
+def test_dora_folds_like_peft(fixtures_root, tmp_path):
+    """DoRA (lora_magnitude_vector) folds as peft's merge_and_unload: bit for bit."""
+    lora = detect(fixtures_root / "w2-lora-dora").lora
+    assert lora.unsupported == [] and lora.adapters["default"].dora == [
+        "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    merge(fixtures_root / "w2-lora-dora", tmp_path / "o", lora="fold")
+    exact(load_file(tmp_path / "o" / "model.safetensors"),
+          load_file(fixtures_root / "w2-lora-dora.fold" / "model.safetensors"))
 
 
 def test_several_adapters_and_modules_to_save(fixtures_root, tmp_path):

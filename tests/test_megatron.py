@@ -103,7 +103,7 @@ def test_inspect_shows_the_parallel_layout(megatron_root, kind):
     assert q.source == "decoder.layers.3.self_attention.linear_qkv.weight"
     assert q.shape == (64, 64)
     moe = detect(megatron_root / "mixtral" / "tp1_pp1_ep2" / kind)
-    assert moe.parallel == {"ep": 2}
+    assert moe.parallel == {"dp": 2, "ep": 2}  # args: world_size 2, TP 1, PP 1
     assert "4 experts, top-2, 2 per EP rank" in moe.details["MLP"]
     if kind == "legacy":
         assert tp.details["embeddings"] == "embedding on stage 0; output layer on stage 1"

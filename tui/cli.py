@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("path", nargs="?", help="the checkpoint folder")
     m.add_argument("-o", "--output", help="the folder to write (must not exist)")
     m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
-                   help="cast floating-point tensors (default: keep each tensor's dtype)")
+                   help="cast F64/F32/F16/BF16 tensors (float8, integer and bool tensors stay "
+                        "as stored; default: keep each tensor's dtype)")
     m.add_argument("--max-shard-size", default="5GB",
                    help="largest output file (decimal units, default 5GB)")
     m.add_argument("--deep", action="store_true",
@@ -68,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--lora-adapter", metavar="NAME", help="which adapter, when there are several")
     m.add_argument("--lora-alpha", type=float,
                    help="the run's lora_alpha, when the checkpoint does not record it")
+    m.add_argument("--lora-config", metavar="FILE",
+                   help="the adapter's own adapter_config.json (or its folder), when it is not "
+                        "at lora_adapter/ beside the checkpoint: each module's rank and alpha "
+                        "(rank_pattern, alpha_pattern), rsLoRA")
+    m.add_argument("--base-model", metavar="DIR",
+                   help="the Hugging Face folder of the base weights, for a checkpoint that "
+                        "holds the LoRA adapter only (verl's save_lora_only)")
     m.add_argument("--hf-upload", metavar="REPO_ID",
                    help="after the merge passes verification, upload it to this Hub repository "
                         "(token from HF_TOKEN or `hf auth login`; HF_ENDPOINT for a private hub)")
@@ -168,10 +176,26 @@ def _with_tag(path: str, tag: str | None) -> str:
     return p
 
 
-def cmd_inspect(args) -> int:
-    from core import detect
+def _refusal_json(path: str, err) -> dict:
+    """The ``inspect --json`` document of a checkpoint that cannot be read at all: no layout,
+    one error problem (``code``: e.g. ``path-outside-checkpoint``, ``wrong-folder``,
+    ``unsafe-pickle``, ``bad-checkpoint``) and ``refused: true``."""
+    return {"format": None, "path": path, "refused": True, "exit_code": err.exit_code,
+            "tensors": 0, "shards": [],
+            "problems": [{"code": err.code, "message": err.message, "path": err.path,
+                          "severity": "error"}], "notes": []}
 
-    layout = detect(_with_tag(args.path, args.tag), hf_config=args.hf_config)
+
+def cmd_inspect(args) -> int:
+    from core import ShardscopeError, detect
+
+    try:
+        layout = detect(_with_tag(args.path, args.tag), hf_config=args.hf_config)
+    except ShardscopeError as e:
+        if not args.json:
+            raise
+        print(json.dumps(_refusal_json(args.path, e), indent=2))
+        return e.exit_code
     deep_done = False
     if args.deep and not any(p.code in ("missing-rank", "missing-file", "unsafe-pickle")
                              for p in layout.errors):
@@ -235,6 +259,7 @@ def cmd_merge(args) -> int:
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
                         workers=max(1, args.workers), lora=args.lora,
                         lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
+                        lora_config=args.lora_config, base_model=args.base_model,
                         model_card=not args.no_card, hf_upload=repo_id, private=args.private)
     plan = plan_merge(layout, opts)
     for w in plan.warnings:

@@ -4,20 +4,22 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout
+from .common import contained
 
 
 def _readers():
-    from . import dcp, dcp_hf, deepspeed, fsdp, hf, megatron_dist, megatron_legacy
+    from . import dcp, dcp_hf, deepspeed, fsdp, hf, hf_bin, megatron_dist, megatron_legacy
 
     # order matters: a DCP or FSDP folder may also hold a stray model.safetensors, and a
-    # Megatron torch_dist folder is a DCP folder with Megatron's names
+    # Megatron torch_dist folder is a DCP folder with Megatron's names; .bin/.pt folders last
     return [("megatron-dist", megatron_dist), ("megatron-legacy", megatron_legacy),
             ("dcp", dcp), ("fsdp", fsdp), ("deepspeed", deepspeed), ("dcp-hf", dcp_hf),
-            ("hf", hf)]
+            ("hf", hf), ("hf-bin", hf_bin)]
 
 
 def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
@@ -35,31 +37,134 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
         raise BadCheckpointError("no such file or folder", str(p))
     if p.is_file():
         p = p.parent
+    _wrong_folder(p)
     for _, mod in _readers():
-        if mod.sniff(str(p)):
+        if mod.sniff(str(p)) or (mod.__name__.endswith(".hf_bin") and mod.sniff(str(given))):
             from ..checks import config_problems
 
             from ..lora import detect_lora
 
             if mod.__name__.endswith(".deepspeed"):
-                layout = mod.read(str(p), weights=deepspeed_weights)
+                layout = mod.read(str(p), weights=deepspeed_weights, hf_config=hf_config)
             elif mod.__name__.endswith((".megatron_dist", ".megatron_legacy")):
                 layout = mod.read(str(p), hf_config=hf_config)
+            elif mod.__name__.endswith(".hf_bin") and given.is_file() and not mod.is_folder(p):
+                layout = mod.read(str(given))  # the single state-dict file asked for
             else:
                 layout = mod.read(str(p))
+            if mod.__name__.endswith(".dcp") and not layout.tensors:
+                _optimizer_folder(p)
+            _files_inside(layout, p)
+            from ..native_names import convert as convert_native_names
+
+            convert_native_names(layout, hf_config)  # torchtitan/torchtune names -> HF
             layout.problems.extend(config_problems(layout))
             layout.lora = detect_lora({n: t.shape for n, t in layout.tensors.items()},
                                       layout.path)
+            if layout.lora is not None:
+                from ..layout import Problem
+
+                layout.problems.extend(Problem(code, msg, layout.path, sev)
+                                       for code, msg, sev in layout.lora.problems)
             return layout
     inside = _checkpoints_inside(p)
     if inside:
         raise BadCheckpointError("not a checkpoint itself; these folders inside it are: "
-                                 + ", ".join(inside), str(given))
+                                 + ", ".join(inside), str(given), code="wrong-folder")
     raise BadCheckpointError(
         "not a checkpoint shardscope knows (looked for .metadata, latest_checkpointed_iteration"
         ".txt, mp_rank_*/, model_world_size_*_rank_*.pt, "
-        "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors)",
-        str(given))
+        "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors, "
+        "pytorch_model.bin, a single .pt/.pth)",
+        str(given), code="not-a-checkpoint")
+
+
+def _files_inside(layout: CheckpointLayout, root: Path) -> None:
+    """Every file the layout reads (rank files, shards, the files its pieces point into) must
+    resolve inside the checkpoint folder ``root``: a symbolic link elsewhere is refused
+    (``path-outside-checkpoint``), see :func:`.common.contained`. A Megatron rank folder
+    (``mp_rank_*``) opened directly belongs to its iteration folder."""
+    from .megatron_legacy import RANK_DIR_RE
+
+    if RANK_DIR_RE.match(root.name):
+        root = root.parent
+    files = {f.path for f in layout.files}
+    for t in layout.tensors.values():
+        files.update(pc.file for pc in t.pieces)
+    for f in sorted(files):
+        try:
+            rel = os.path.relpath(f, root)
+        except ValueError:
+            rel = f
+        contained(root, rel, "a file of the checkpoint (symbolic link)", f)
+
+
+VERL_STEP_RE = re.compile(r"^global_step_(\d+)$")
+
+
+def _wrong_folder(p: Path) -> None:
+    """Raise a pointer (``wrong-folder``) for a folder that holds checkpoints but is none:
+    verl's run folder, whose ``latest_checkpointed_iteration.txt`` (written by verl's trainer,
+    verl/trainer/ppo/ray_trainer.py ``_save_checkpoint``) names the step of its
+    ``global_step_N/`` folder (``actor/``, ``critic/`` inside), unlike Megatron's tracker,
+    which names an ``iter_NNNNNNN/`` folder."""
+    tracker = p / "latest_checkpointed_iteration.txt"
+    try:
+        if not tracker.is_file() or any(p.glob("iter_*")) or (p / "release").is_dir():
+            return
+        steps = sorted(c.name for c in p.iterdir() if VERL_STEP_RE.match(c.name) and c.is_dir())
+        text = tracker.read_text().strip()
+    except OSError:
+        return
+    if not steps:
+        return
+    step = p / f"global_step_{text}" if text.isdigit() else None
+    if step is None or not step.is_dir():
+        raise BadCheckpointError(
+            f"verl's run folder; its latest_checkpointed_iteration.txt says {text[:40]!r}, but "
+            f"there is no global_step_{text[:40]}/ (steps here: {', '.join(steps[:4])}); open "
+            "one of them", str(p), code="wrong-folder")
+    contained(p, step.name, "latest_checkpointed_iteration.txt", tracker)
+    inside = [c for c in ("actor", "critic") if (step / c).is_dir()] or _checkpoints_inside(step)
+    where = ", ".join(f"{step.name}/{c.rstrip('/')}" for c in inside) or step.name
+    raise BadCheckpointError(
+        f"verl's run folder, not a checkpoint: latest_checkpointed_iteration.txt names step "
+        f"{text}; the checkpoint is {where}", str(p), code="wrong-folder")
+
+
+def _optimizer_folder(p: Path) -> None:
+    """Raise a pointer (``optimizer-state``) for a DCP folder that holds no model tensor
+    because it is optimizer state, as accelerate writes it (accelerate/utils/fsdp_utils.py
+    ``save_fsdp_optimizer``: ``optimizer_{i}/`` holding ``{"optimizer": ...}``, beside the
+    model's ``pytorch_model_fsdp_{i}/``)."""
+    from . import dcp
+
+    d = dcp.find_dcp_dir(str(p))
+    if d is None:
+        return
+    try:
+        m = dcp.load_metadata(d / ".metadata")
+    except BadCheckpointError:
+        return
+    planner = m.get("planner_data") or {}
+    tops = {str((planner.get(k) or (k,))[0]).split(".", 1)[0]
+            for k in (m.get("state_dict_metadata") or {})}
+    if not tops or not tops <= {"optimizer", "optim", "optimizer_state", "osd"} | set(
+            dcp.NON_MODEL_KEYS):
+        return
+    siblings = []
+    try:
+        for c in sorted(d.parent.iterdir()):
+            if c != d and c.is_dir() and any(mod.sniff(str(c)) for _, mod in _readers()):
+                siblings.append(c.name + "/")
+    except OSError:
+        pass
+    hint = (f"; the model is beside it: {', '.join('../' + s for s in siblings[:4])}"
+            if siblings else "; the model weights are saved in another folder")
+    raise BadCheckpointError(f"optimizer state (every entry is under "
+                             f"{', '.join(repr(t) for t in sorted(tops))}, as in accelerate's "
+                             f"optimizer_0/), not model weights{hint}", str(d),
+                             code="optimizer-state")
 
 
 def _checkpoints_inside(p: Path, depth: int = 2, limit: int = 8) -> list[str]:

@@ -24,10 +24,51 @@ def clean_key(key: str) -> str:
     return key
 
 
+def _hub_blobs(root: str) -> str | None:
+    """The ``blobs`` folder of a Hugging Face hub cache snapshot ``.../models--org--name/
+    snapshots/<revision>``, whose files are symbolic links into ``../../blobs/``
+    (huggingface_hub/file_download.py ``_create_symlink``); None for any other folder."""
+    parent = os.path.dirname(root)
+    repo = os.path.dirname(parent)
+    if os.path.basename(parent) == "snapshots" and os.path.basename(repo).startswith(
+            ("models--", "datasets--", "spaces--")):
+        return os.path.join(repo, "blobs")
+    return None
+
+
+def contained(root: str | os.PathLike, rel: str | os.PathLike, what: str,
+              named_by: str | os.PathLike | None = None) -> Path:
+    """``root / rel`` when it stays inside ``root`` once ``..`` and symbolic links are
+    resolved; else raise :class:`BadCheckpointError` naming the entry.
+
+    Every path a checkpoint names (a DCP storage entry's ``relative_path``, an index's shard,
+    DeepSpeed's ``latest`` tag, Megatron's iteration, a file of ``huggingface/``) goes through
+    here: a checkpoint is untrusted input, and an entry such as ``../../../etc/hostname`` or a
+    link to it would put another file's bytes into the merged model (and, with ``--hf-upload``,
+    on the Hub). ``what`` says what the entry is (e.g. ``storage entry of model.norm.weight``),
+    ``named_by`` the file that names it (default ``root / rel``). A snapshot folder of the
+    Hugging Face hub cache may also point into its own ``blobs/`` folder. A missing target is
+    returned as is (the reader reports it missing)."""
+    from ..errors import BadCheckpointError
+
+    rel_s = os.fspath(rel)
+    base = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(base, rel_s))
+    allowed = [base] + [b for b in (_hub_blobs(base),) if b]
+    if os.path.isabs(rel_s) or not any(
+            target == a or target.startswith(a.rstrip(os.sep) + os.sep) for a in allowed):
+        raise BadCheckpointError(f"{what} names {rel_s!r}, which resolves to {target}, outside "
+                                 f"the checkpoint folder {base}: refusing to read it",
+                                 str(named_by or os.path.join(os.fspath(root), rel_s)),
+                                 code="path-outside-checkpoint")
+    return Path(root) / rel_s
+
+
 def config_files(folder: str | os.PathLike) -> list[tuple[str, str]]:
     """Files of a Hugging Face config folder to copy into a merged folder, byte for byte:
     config, generation config, tokenizer files and custom modelling code, never weights.
-    Returns (source path, relative name) pairs, sorted."""
+    Returns (source path, relative name) pairs, sorted. Raises BadCheckpointError for a file
+    (a symbolic link) that resolves outside ``folder`` (see :func:`contained`)."""
     folder = Path(folder)
     out = []
     for p in sorted(folder.rglob("*")):
@@ -35,14 +76,25 @@ def config_files(folder: str | os.PathLike) -> list[tuple[str, str]]:
             continue
         if p.name.endswith(WEIGHT_SUFFIXES) or p.name in WEIGHT_NAMES:
             continue
-        out.append((str(p), str(p.relative_to(folder))))
+        rel = str(p.relative_to(folder))
+        contained(folder, rel, "a file of the config folder (symbolic link)")
+        out.append((str(p), rel))
     return out
 
 
 def attach_config(layout: CheckpointLayout, folder: str | os.PathLike | None) -> None:
-    """Record ``folder`` as the layout's Hugging Face config folder and its files to copy."""
+    """Record ``folder`` as the layout's Hugging Face config folder and its files to copy.
+    Raises BadCheckpointError when ``folder`` lies in the checkpoint (``layout.path``) but
+    resolves outside it, or holds a file that resolves outside ``folder`` (see
+    :func:`contained`)."""
     if folder is None or not Path(folder, "config.json").is_file():
         return
+    try:
+        rel = Path(os.path.abspath(folder)).relative_to(os.path.abspath(layout.path))
+    except ValueError:
+        rel = None  # a folder given by the user (--hf-config), not named by the checkpoint
+    if rel is not None and str(rel) != ".":
+        contained(layout.path, rel, "the config folder (symbolic link)")
     layout.config_dir = str(folder)
     layout.extra_files = config_files(folder)
 
@@ -68,13 +120,16 @@ def stat_file(path: str, rank: int | None = None) -> SourceFile:
 
 def problem_for(err, path: str) -> Problem:
     """A :class:`Problem` for a reader error on ``path``: ``truncated-file`` when the file is
-    shorter than its contents say, ``unsafe-pickle`` for a forbidden global, else
+    shorter than its contents say, ``unsafe-pickle`` for a forbidden global,
+    ``unsupported-dtype`` for a tensor of a dtype safetensors cannot hold, else
     ``unreadable-file``."""
     from ..errors import UnsafeCheckpointError
 
     msg = getattr(err, "message", str(err))
     if isinstance(err, UnsafeCheckpointError):
         code = "unsafe-pickle"
+    elif getattr(err, "code", None) == "unsupported-dtype":
+        code = "unsupported-dtype"
     elif "truncated" in msg:
         code = "truncated-file"
     else:

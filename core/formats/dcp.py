@@ -24,7 +24,7 @@ from pathlib import Path
 from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import attach_config, clean_key, corrupt_is_bad, stat_file
+from .common import attach_config, clean_key, contained, corrupt_is_bad, stat_file
 from .torchsave import DType, Record, RestrictedUnpickler, read_torch_archive
 
 #: top-level entries of a training checkpoint that are not model weights
@@ -123,6 +123,7 @@ def read(path: str) -> CheckpointLayout:
         if isinstance(idx, Record):
             where[(idx.get("fqn"), tuple(idx.get("offset") or ()))] = info
     files: dict[str, int] = {}
+    inside: dict[str, str] = {}
     ranges: dict[str, list[tuple[int, int, str]]] = {}
     sizes: dict[str, int | None] = {}
     try:
@@ -139,6 +140,11 @@ def read(path: str) -> CheckpointLayout:
             st = props.state
             dt = st[0] if isinstance(st, tuple) else props.get("dtype")
             dtype = dt.name if isinstance(dt, DType) else dtype
+        if dtype not in ITEMSIZE:  # e.g. torch.complex128: no safetensors name
+            layout.problems.append(Problem(
+                "unsupported-dtype", f"{name}: torch.{dtype.split(':')[-1]}, a dtype "
+                "safetensors cannot hold (unsupported)", str(meta_path)))
+            continue
         t = TensorInfo(name, tuple(tm.get("size")), dtype,
                        "DCP chunks" if len(tm.get("chunks") or ()) > 1 else "DCP")
         for ch in tm.get("chunks") or ():
@@ -155,7 +161,13 @@ def read(path: str) -> CheckpointLayout:
                                                f"the chunk at {offsets}", str(meta_path)))
                 continue
             rel = info.get("relative_path")
-            fpath = str(d / rel)
+            if not isinstance(rel, str):
+                raise BadCheckpointError(f"{name}: storage entry without a relative_path",
+                                         str(meta_path))
+            fpath = inside.get(rel)
+            if fpath is None:  # once per file: a big checkpoint has thousands of chunks
+                fpath = inside[rel] = str(contained(d, rel, f"the storage entry of {name}",
+                                                    meta_path))
             rank = _rank_of(rel)
             start, length = int(info.get("offset")), int(info.get("length"))
             files[rel] = max(files.get(rel, 0), start + length)
@@ -187,8 +199,11 @@ def read(path: str) -> CheckpointLayout:
             sf.status = "unreadable"
             layout.problems.append(Problem("truncated-file", f"{rel} is {sf.bytes} bytes, "
                                            f".metadata needs {need}: truncated", fpath))
+    # every file a storage entry names belongs to the checkpoint, also those holding only
+    # skipped items (optimizer, train_state) as a one-file-per-item writer leaves them
+    named = {info.get("relative_path") for info in storage.values() if isinstance(info, Record)}
     for rel in sizes:
-        if rel not in files:
+        if rel not in files and rel not in named:
             layout.problems.append(Problem("extra-file", f"{rel} is not named by .metadata",
                                            str(d / rel), "warning"))
     ranks = {f.rank for f in layout.files if f.rank is not None}
@@ -259,7 +274,9 @@ def make_resolver():
         if dtype != p.dtype or shape != tuple(chunk):
             raise BadCheckpointError(f"chunk at byte {start} holds {list(shape)} {dtype}, "
                                      f".metadata says {list(chunk)} {p.dtype}", p.file)
-        if p.byte_offset == 0 and p.shape == shape:  # the whole chunk, any strides
+        if p.byte_offset == 0 and p.shape == shape and p.stride == c_strides(shape):
+            # the whole chunk, any strides (a strided selection of it, e.g. rows permuted by
+            # core/native_names.py, keeps its own strides below)
             return replace(p, byte_offset=offset, stride=stride, archive=None)
         numel = 1
         for s in shape:

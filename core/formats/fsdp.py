@@ -30,6 +30,11 @@ MAX_LISTED_PROBLEMS = 16
 VERL_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 ACCELERATE_RE = re.compile(r"^pytorch_model_fsdp_(\d+)_rank(\d+)\.bin$")
 
+#: the name FSDP1 gives a module's flat parameter (torch/distributed/fsdp/_flat_param.py
+#: ``FLAT_PARAM``); ``LOCAL_STATE_DICT`` saves only these, one 1-D ShardedTensor per wrapped
+#: module, without the shapes and offsets of the parameters flattened into it
+FLAT_PARAM = "_flat_param"
+
 
 def _rank_files(path: Path) -> tuple[str, dict[int, dict[int, str]]]:
     """The rank files in ``path``: (kind, {world size or model index: {rank: file}})."""
@@ -281,6 +286,7 @@ class _Builder:
         #: (tensor, kept piece, identical-place piece of another rank): replica copies
         self.copies: list[tuple[str, Piece, Piece]] = []
         self.mesh_cache: dict[int, tuple] = {}
+        self.flat_params: set[str] = set()
 
     def kinds_by_dim(self) -> dict[int, set[str]]:
         """Placement kinds seen per dim of the checkpoint's mesh (``self.mesh``)."""
@@ -319,6 +325,8 @@ class _Builder:
         for key, value in root.items():
             name = clean_key(str(key))
             keys.add(name)
+            if name.rsplit(".", 1)[-1] == FLAT_PARAM:
+                self.flat_params.add(name)
             if isinstance(value, TensorRef):
                 self._plain(rank, path, name, value)
             elif isinstance(value, Record) and value.name == "DTensor":
@@ -685,6 +693,13 @@ def read(path: str) -> CheckpointLayout:
                 "key-mismatch", f"rank {r} lacks {len(miss)} keys (e.g. {miss[0]})", files.get(r)))
     if b.skipped:
         layout.notes.append(f"{len(b.skipped)} non-tensor entries skipped")
+    if b.flat_params:
+        example = sorted(b.flat_params)[0]
+        layout.problems.append(Problem(
+            "fsdp1-local-state-dict", f"FSDP1 LOCAL_STATE_DICT rank files: {len(b.flat_params)} "
+            f"flat parameters (e.g. {example}) hold the model's tensors flattened, and the files "
+            "do not record their names or shapes; unsupported: save with "
+            "StateDictType.SHARDED_STATE_DICT or FULL_STATE_DICT", str(root)))
     unreadable = any(p.code in ("unreadable-file", "truncated-file", "unsafe-pickle",
                                 "unsupported-record") for p in layout.problems)
     replica_dims = [i for i, n in enumerate(layout.mesh_shape)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo
-from .common import attach_config, problem_for, stat_file
+from .common import attach_config, contained, problem_for, stat_file
 from .safetensors_file import read_header
 
 INDEX = "model.safetensors.index.json"
@@ -44,6 +44,8 @@ def read(path: str) -> CheckpointLayout:
             raise BadCheckpointError("index is not valid JSON with a weight_map",
                                      str(root / INDEX)) from None
         shards = sorted(set(weight_map.values()))
+        for name in shards:
+            contained(root, name, "a weight_map entry", root / INDEX)
     else:
         weight_map, shards = None, ["model.safetensors"]
     seen: dict[str, str] = {}

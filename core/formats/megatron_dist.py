@@ -118,8 +118,9 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     pp = args.get("pipeline_model_parallel_size") or 1
     vpp = args.get("virtual_pipeline_model_parallel_size") or 0
     ep = args.get("expert_model_parallel_size") or 1
-    layout.parallel = {k: v for k, v in (("tp", tp), ("pp", pp), ("vpp", vpp), ("ep", ep))
-                       if v and v > 1}
+    dp = mg.data_parallel(args, tp, pp)
+    layout.parallel = {k: v for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("vpp", vpp),
+                                         ("ep", ep)) if v and v > 1}
     layout.mesh_shape, layout.mesh_dim_names = (), None
     if args:  # torch_dist data is global; the model-parallel grid is only in args
         layout.mesh_shape = (pp, tp, ep) if ep > 1 else (pp, tp)
@@ -141,7 +142,8 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
                           + ", ".join(map(str, ranks)))
     layout.details = mg.describe(
         arch, layout.parallel, stages, "; ".join(owners) or "none found",
-        "common.pt" if args else "none (sizes from the Hugging Face config and shapes)")
+        "common.pt" if args else "none (sizes from the Hugging Face config and shapes)",
+        bool(args.get("moe_grouped_gemm")))
     return layout
 
 

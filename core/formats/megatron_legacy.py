@@ -20,7 +20,7 @@ from .. import megatron as mg
 from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import corrupt_is_bad, problem_for, stat_file
+from .common import contained, corrupt_is_bad, problem_for, stat_file
 from .torchsave import TensorRef, read_torch_archive
 
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -43,7 +43,8 @@ def iteration_dir(path: Path) -> Path | None:
         tracker = path / "latest_checkpointed_iteration.txt"
         if tracker.is_file():
             text = tracker.read_text().strip()
-            d = path / ("release" if text == "release" else f"iter_{int(text):07d}")
+            d = contained(path, "release" if text == "release" else f"iter_{int(text):07d}",
+                          "latest_checkpointed_iteration.txt", tracker)
             if not d.is_dir():
                 raise BadCheckpointError(f"names iteration {text}, whose folder {d.name} is "
                                          "missing", str(tracker))
@@ -158,8 +159,12 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
             layout.problems.append(Problem(
                 "args-disagree", f"args say {diff[0]}={these.get(diff[0])!r} here, "
                 f"{args.get(diff[0])!r} in {Path(args_file).parent.name}", str(f)))
-    if not contents:
-        raise BadCheckpointError("no readable mp_rank_* model file", str(d))
+    if not contents:  # the reader's own reason (e.g. the legacy non-zip torch.save format)
+        first = next((pr for pr in layout.problems if pr.severity == "error"), None)
+        if first is None:
+            raise BadCheckpointError("no readable mp_rank_* model file", str(d))
+        raise BadCheckpointError(f"no readable mp_rank_* model file: {first.message}",
+                                 first.path or str(d))
     grid = _grid(dirs, contents, args, d, layout)
     if grid is None:
         return layout
@@ -167,7 +172,9 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     _check_consistency(files, pp, vpp, layout)
     if layout.errors:
         return layout
-    layout.parallel = {k: v for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v > 1}
+    dp = mg.data_parallel(args, tp, pp)
+    layout.parallel = {k: v for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep))
+                       if v > 1}
     if vpp > 1:
         layout.parallel["vpp"] = vpp
     layout.world_size = tp * pp * ep
@@ -190,8 +197,10 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     if arch is None:
         return layout
     stages = mg.pipeline_text(stage_layers, pp, vpp)
+    grouped = bool(args.get("moe_grouped_gemm")) or any(
+        "grouped GEMM" in t.placement for t in mt.values())
     layout.details = mg.describe(arch, layout.parallel, stages, where,
-                                 "in every model_optim_rng.pt" if args else "none")
+                                 "in every model_optim_rng.pt" if args else "none", grouped)
     return layout
 
 
@@ -337,13 +346,33 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
             for key, ref in sd.items():
                 if not isinstance(ref, TensorRef):
                     continue
-                name, expert = key, False
+                name, expert, grouped = key, False, None
                 if m := mg.LAYER_RE.match(key):
                     rest = m[2]
                     if x := mg.EXPERT_RE.match(rest):
                         expert = True
                         rest = f"mlp.experts.local_experts.{e * n_experts + int(x[1])}.{x[2]}"
+                    elif rest in GROUPED:
+                        grouped = GROUPED[rest]
                     name = f"decoder.layers.{offsets[(s, v)] + int(m[1])}.{rest}"
+                if grouped:
+                    if not ref.fits_storage():
+                        layout.problems.append(Problem(
+                            "unreadable-file", f"{key}: view outside its storage", f))
+                        continue
+                    shape = tuple(ref.shape)
+                    if local_shapes.setdefault(name, shape) != shape:
+                        layout.problems.append(Problem(
+                            "shape-mismatch", f"{name}: {list(shape)} here, "
+                            f"{list(local_shapes[name])} on another rank", f))
+                        continue
+                    try:
+                        _add_grouped(mt, name, grouped, ref, sd, f, t, tp, etp, e, ep, swiglu,
+                                     args, (s, t, e) if ep > 1 else (s, t),
+                                     t + tp * (e + ep * s))
+                    except _Mismatch as m:
+                        layout.problems.append(m.problem)
+                    continue
                 rule = _split_rule(name, swiglu)
                 if expert and etp == 1:
                     rule = "replicated"
@@ -418,6 +447,84 @@ def _add(mt, name: str, rule: str, ref: TensorRef, f: str, t: int, tp: int, coor
                      "gated": "TP Shard(0) of gate and up"}[rule] if tp > 1 else "plain"
         info = mt[name] = TensorInfo(name, g, ref.dtype, placement, source=name)
     info.pieces.extend(pieces)
+
+
+#: megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm``): the local experts stacked
+#: in one tensor per projection, by the module name under a layer
+GROUPED = {"mlp.experts.weight1": "linear_fc1", "mlp.experts.weight2": "linear_fc2"}
+
+
+def _add_grouped(mt, name: str, which: str, ref: TensorRef, sd: dict, f: str, t: int,
+                 tp: int, etp: int, e: int, ep: int, swiglu: bool, args: dict, coord,
+                 rank: int) -> None:
+    """Cut EP rank ``e``'s (TP rank ``t``'s) grouped-GEMM ``weight1``/``weight2`` into the
+    per-expert ``mlp.experts.local_experts.{g}.linear_fc1/linear_fc2.weight`` of the global
+    form (``[gate; up]`` x hidden, hidden x ffn), as strided pieces of the stored bytes.
+
+    Format facts (megatron-core 0.16.1, ``megatron/core/transformer/moe/experts.py``,
+    ``GroupedMLP.__init__`` and ``sharded_state_dict``): ``weight1`` is ``[hidden, local x W]``
+    with ``W = 2 x ffn/TP`` (gated) or ``ffn/TP``, and is read as ``view(local, hidden, W)``
+    then transposed: local expert j's fc1 is the ``[hidden, W]`` row-major block j, transposed,
+    its first ``ffn/TP`` rows the gate (TP shard ``t`` of ``2 x TP``), the rest the up
+    projection (shard ``TP + t``). ``weight2`` is ``[local x ffn/TP, hidden]``, read as
+    ``view(local, ffn/TP, hidden)`` and transposed: expert j's fc2 is block j transposed, TP
+    split along its ffn columns. Global expert = ``e x local + j``.
+
+    Raises ``_Mismatch`` naming grouped GEMM when the layout cannot be cut this way."""
+    def refuse(why: str):
+        raise _Mismatch(Problem("unsupported-layout", f"Megatron grouped GEMM experts "
+                                f"({name.rsplit('.', 1)[1]}): {why}", f))
+
+    layer = name[:-len("mlp.experts.weight1")]
+    experts = args.get("num_experts")
+    if not experts:
+        r = next((v for k, v in sd.items() if k.endswith(".mlp.router.weight")
+                  and isinstance(v, TensorRef)), None)
+        experts = r.shape[0] if r is not None and len(r.shape) == 2 else None
+    if not experts or experts % ep:
+        refuse(f"the expert count ({experts}) is unknown or does not divide by EP={ep}")
+    if etp != tp:
+        refuse(f"expert tensor parallel size {etp} differs from TP={tp}")
+    local = experts // ep
+    shape, stride = tuple(ref.shape), tuple(ref.stride)
+    if len(shape) != 2 or stride != (shape[1], 1):
+        refuse(f"{list(shape)} with strides {list(stride)} is not a contiguous matrix")
+    size = ITEMSIZE[ref.dtype]
+    if which == "linear_fc1":
+        hidden, width = shape[0], shape[1] // local if shape[1] % local == 0 else 0
+        ffn_tp = width // 2 if swiglu else width
+        if not width or (swiglu and width % 2):
+            refuse(f"{list(shape)} does not hold {local} experts of [hidden, gate + up]")
+    else:
+        hidden, ffn_tp = shape[1], shape[0] // local if shape[0] % local == 0 else 0
+        if not ffn_tp:
+            refuse(f"{list(shape)} does not hold {local} experts of [ffn, hidden]")
+    ffn = ffn_tp * tp
+    for j in range(local):
+        g = e * local + j
+        out = f"{layer}mlp.experts.local_experts.{g}.{which}.weight"
+        if which == "linear_fc1":
+            base = ref.byte_offset + j * hidden * width * size
+            glob = ((2 if swiglu else 1) * ffn, hidden)
+            parts = [(0, t * ffn_tp)] + ([(ffn_tp, ffn + t * ffn_tp)] if swiglu else [])
+            pieces = [Piece(f, base + col * size, ref.dtype, (ffn_tp, hidden), (1, width),
+                            (row, 0), rank, coord) for col, row in parts]
+            what = "gate and up" if swiglu else "rows"
+        else:
+            base = ref.byte_offset + j * ffn_tp * hidden * size
+            glob = (hidden, ffn)
+            pieces = [Piece(f, base, ref.dtype, (hidden, ffn_tp), (1, hidden), (0, t * ffn_tp),
+                            rank, coord)]
+            what = "columns"
+        info = mt.get(out)
+        if info is not None and info.dtype != ref.dtype:
+            raise _Mismatch(Problem("dtype-mismatch", f"{out} is {ref.dtype} here, "
+                                    f"{info.dtype} on another rank", f))
+        if info is None:
+            placement = (f"EP expert {g} of grouped GEMM {name.rsplit('.', 1)[1]} "
+                         "(transposed)" + (f"; TP Shard of {what}" if tp > 1 else ""))
+            info = mt[out] = TensorInfo(out, glob, ref.dtype, placement, source=name)
+        info.pieces.extend(pieces)
 
 
 class _Mismatch(Exception):

@@ -66,6 +66,10 @@ def read_header(path: str) -> tuple[list[SafetensorsEntry], dict[str, str]]:
             raise BadCheckpointError(f"{name}: malformed header entry", path) from None
         if any(d < 0 for d in shape) or begin < 0 or end < begin:
             raise BadCheckpointError(f"{name}: negative shape or offsets in the header", path)
+        if dtype in ("F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"):  # safetensors/torch.py _TYPES
+            raise BadCheckpointError(f"{name}: dtype {dtype} is not supported (safetensors' "
+                                     "torch loader cannot read it back)", path,
+                                     code="unsupported-dtype")
         if dtype not in ITEMSIZE:
             raise BadCheckpointError(f"{name}: unknown dtype {dtype}", path)
         if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0:

@@ -9,7 +9,11 @@ Format facts (torch/serialization.py, checked on files written by torch 2.13): t
 zip with every entry stored uncompressed: ``<name>/data.pkl`` (the pickle), ``<name>/data/<key>``
 (one entry per storage), ``<name>/byteorder``. The pickle refers to storages by persistent id
 ``('storage', <StorageClass>, key, location, numel)``; tensors are rebuilt by
-``torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, ...)``; DTensors by
+``torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, ...)``, or for the
+dtypes of torch/storage.py ``_new_dtypes()`` (float8, uint16/32/64 ...) by
+``torch._utils._rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad,
+backward_hooks, dtype[, metadata])`` over an ``UntypedStorage`` (numel in bytes; the offset
+counts elements of ``dtype``: torch/_tensor.py ``_reduce_ex_internal``); DTensors by
 ``torch._tensor._rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, args, state)`` with
 ``state = {'_local_tensor': ..., '_spec': DTensorSpec}``; ShardedTensors by NEWOBJ + BUILD
 with state ``(local_shards, metadata, ...)``.
@@ -25,7 +29,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dtypes import STORAGE_DTYPES, TORCH_DTYPE_NAMES
+from ..dtypes import STORAGE_DTYPES, TORCH_DTYPE_NAMES, UNSUPPORTED_TORCH_DTYPES
 from ..errors import BadCheckpointError, UnsafeCheckpointError
 
 
@@ -50,16 +54,19 @@ class TensorRef:
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    #: the tensor's dtype when it differs from its storage's (``_rebuild_tensor_v3`` over an
+    #: untyped byte storage)
+    view_dtype: str | None = None
 
     @property
     def dtype(self) -> str:
-        return self.storage.dtype
+        return self.view_dtype or self.storage.dtype
 
     @property
     def byte_offset(self) -> int:
         from ..dtypes import ITEMSIZE
 
-        return self.storage.data_offset + self.storage_offset * ITEMSIZE[self.storage.dtype]
+        return self.storage.data_offset + self.storage_offset * ITEMSIZE[self.dtype]
 
     def fits_storage(self) -> bool:
         """True when the view is well-formed and lies inside its storage (a damaged pickle
@@ -69,8 +76,15 @@ class TensorRef:
             return False
         if any(s == 0 for s in self.shape):
             return True
+        from ..dtypes import ITEMSIZE
+
         last = self.storage_offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
-        return self.storage_offset >= 0 and last < self.storage.numel
+        size = ITEMSIZE.get(self.dtype)
+        if size is None or not isinstance(self.storage.numel, int):
+            return False
+        # the storage counts elements of its own dtype (bytes for an untyped storage)
+        n = self.storage.numel * ITEMSIZE.get(self.storage.dtype, 1) // size
+        return self.storage_offset >= 0 and last < n
 
 
 @dataclass(eq=False)
@@ -98,9 +112,13 @@ class Record:
 
 @dataclass
 class DType:
-    """A ``torch.<dtype>`` global, as its safetensors name."""
+    """A ``torch.<dtype>`` global, as its safetensors name (``unsupported:<torch name>`` for
+    a dtype with no safetensors name, see ``dtypes.UNSUPPORTED_TORCH_DTYPES``)."""
 
     name: str
+
+
+UNSUPPORTED_PREFIX = "unsupported:"
 
 
 # Globals a model checkpoint may name, each mapped to a data-only record. Private module paths
@@ -126,6 +144,13 @@ _RECORD_GLOBALS = frozenset({
     ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
     ("_codecs", "encode"),
 })
+
+
+#: typed storage classes of dtypes with no safetensors name (torch/storage.py
+#: ``_dtype_to_storage_type_map``)
+UNSUPPORTED_STORAGES = {"ComplexDoubleStorage": "complex128", "QInt8Storage": "qint8",
+                        "QInt32Storage": "qint32", "QUInt8Storage": "quint8",
+                        "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4"}
 
 
 class StateDict(dict):
@@ -156,6 +181,17 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, *_rest):
     return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
 
 
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, _requires_grad, _hooks, dtype,
+                       *_rest):
+    if not isinstance(dtype, DType):
+        raise BadCheckpointError(f"_rebuild_tensor_v3 with dtype {dtype!r}")
+    if dtype.name.startswith(UNSUPPORTED_PREFIX):
+        raise BadCheckpointError(f"holds a torch.{dtype.name[len(UNSUPPORTED_PREFIX):]} tensor, "
+                                 "a dtype safetensors cannot hold (unsupported)",
+                                 code="unsupported-dtype")
+    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), dtype.name)
+
+
 def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, *_rest):
     return Record("wrapper", getattr(cls, "_record", ("", "?"))[1],
                   (dtype, tuple(size), tuple(stride), storage_offset))
@@ -181,6 +217,7 @@ def _getattr(obj, name):
 
 _FUNCTIONS = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
     ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     ("torch.serialization", "_get_layout"): lambda name: name,
@@ -223,8 +260,16 @@ class RestrictedUnpickler(pickle.Unpickler):
             return fn
         if module == "torch" and name.endswith("Storage") and name in STORAGE_DTYPES:
             return ("storage-class", STORAGE_DTYPES[name])
+        if (module, name) == ("torch.storage", "UntypedStorage"):  # the v3 byte storage
+            return ("storage-class", "U8")
         if module == "torch" and name in TORCH_DTYPE_NAMES:
             return DType(TORCH_DTYPE_NAMES[name])
+        if module == "torch" and name in UNSUPPORTED_TORCH_DTYPES:
+            return DType(UNSUPPORTED_PREFIX + name)
+        if module == "torch" and name in UNSUPPORTED_STORAGES:
+            raise BadCheckpointError(f"holds a torch.{UNSUPPORTED_STORAGES[name]} tensor, a "
+                                     "dtype safetensors cannot hold (unsupported)", self.path,
+                                     code="unsupported-dtype")
         if module == "torch" and name in ("contiguous_format", "preserve_format",
                                           "channels_last", "strided"):
             return name
@@ -236,9 +281,12 @@ class RestrictedUnpickler(pickle.Unpickler):
             "load it (it could run code)", self.path)
 
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        # zip archives: ('storage', cls, key, location, numel); the legacy (non-zip) format
+        # adds view metadata, None for a whole storage (torch/serialization.py _legacy_save)
+        if not (isinstance(pid, tuple) and pid[:1] == ("storage",) and (
+                len(pid) == 5 or (len(pid) == 6 and pid[5] is None))):
             raise BadCheckpointError(f"unexpected persistent id {pid!r}", self.path)
-        _, cls, key, location, numel = pid
+        _, cls, key, location, numel = pid[:5]
         dtype = cls[1] if isinstance(cls, tuple) else "U8"
         ref = self.storages.get(key)
         if ref is None:
@@ -321,8 +369,7 @@ def _read_archive(path: str, base: int, length: int | None) -> TorchArchive:
             infos = {i.filename: i for i in zf.infolist()}
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             if base == 0 and _is_legacy_pickle(f):
-                raise BadCheckpointError("legacy (non-zip) torch.save format is not supported; "
-                                         "re-save it with a current torch", path) from None
+                return _read_legacy(f, path, size)
             raise BadCheckpointError(f"not a torch.save archive ({e}); truncated or corrupt?",
                                      path) from None
         pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
@@ -336,7 +383,9 @@ def _read_archive(path: str, base: int, length: int | None) -> TorchArchive:
         try:
             data = zf.read(infos[pkl[0]])
             root = RestrictedUnpickler(io.BytesIO(data), path, storages).load()
-        except (UnsafeCheckpointError, BadCheckpointError):
+        except (UnsafeCheckpointError, BadCheckpointError) as e:
+            if e.path is None:
+                e.path = path
             raise
         except Exception as e:  # noqa: BLE001 - any failure on untrusted bytes means corrupt
             raise BadCheckpointError(f"corrupt pickle in torch.save archive "
@@ -381,3 +430,62 @@ def _is_legacy_pickle(f) -> bool:
     f.seek(0)
     head = f.read(2)
     return len(head) == 2 and head[0] == 0x80  # a bare pickle protocol header
+
+
+#: the legacy (non-zip) torch.save header: magic number and protocol version
+#: (torch/serialization.py: MAGIC_NUMBER, PROTOCOL_VERSION)
+LEGACY_MAGIC, LEGACY_PROTOCOL = 0x1950A86A20F9469CFC6C, 1001
+
+
+def _read_legacy(f, path: str, size: int) -> TorchArchive:
+    """Read a legacy (non-zip, ``_use_new_zipfile_serialization=False``) ``torch.save`` file.
+
+    Format facts (torch/serialization.py ``_legacy_save``; checked on files written by torch
+    2.13): five pickles and raw data in a row: the magic number, the protocol version, a
+    ``sys_info`` dict (``little_endian``), the object (persistent ids ``('storage', cls, key,
+    location, numel, None)``), the sorted list of storage keys; then for each key in that
+    order an 8-byte little-endian element count followed by the storage's bytes."""
+    from ..dtypes import ITEMSIZE
+
+    try:
+        f.seek(0)
+        magic = RestrictedUnpickler(f, path, {}).load()
+        proto = RestrictedUnpickler(f, path, {}).load()
+        info = RestrictedUnpickler(f, path, {}).load()
+        if magic != LEGACY_MAGIC or proto != LEGACY_PROTOCOL or not isinstance(info, dict):
+            raise BadCheckpointError("not a torch.save file (a pickle without torch's magic "
+                                     "number)", path)
+        if not info.get("little_endian", True):
+            raise BadCheckpointError("big-endian archives are not supported", path)
+        storages: dict[str, StorageRef] = {}
+        root = RestrictedUnpickler(f, path, storages).load()
+        keys = RestrictedUnpickler(f, path, {}).load()
+    except (UnsafeCheckpointError, BadCheckpointError):
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure on untrusted bytes means corrupt
+        raise BadCheckpointError(f"corrupt pickle in legacy torch.save file "
+                                 f"({type(e).__name__}: {e}); truncated or corrupt?",
+                                 path) from None
+    if not isinstance(keys, list) or set(map(str, keys)) != set(map(str, storages)):
+        raise BadCheckpointError("legacy torch.save file: its storage list does not match "
+                                 "the storages its object names", path)
+    pos = f.tell()
+    for key in keys:
+        ref = storages[key]
+        if ref.dtype not in ITEMSIZE or not isinstance(ref.numel, int) or ref.numel < 0:
+            raise BadCheckpointError(f"storage {key}: corrupt record", path)
+        f.seek(pos)
+        head = f.read(8)
+        if len(head) < 8:
+            raise BadCheckpointError(f"storage {key} starts at byte {pos} but the file has "
+                                     f"{size}: truncated", path)
+        (numel,) = struct.unpack("<q", head)
+        if numel != ref.numel:
+            raise BadCheckpointError(f"storage {key} holds {numel} elements, {ref.numel} "
+                                     "expected", path)
+        ref.data_offset, ref.data_bytes = pos + 8, numel * ITEMSIZE[ref.dtype]
+        pos = ref.data_offset + ref.data_bytes
+        if pos > size:
+            raise BadCheckpointError(f"storage {key} ends at byte {pos} but the file has "
+                                     f"{size}: truncated", path)
+    return TorchArchive(path, root, storages)

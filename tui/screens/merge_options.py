@@ -55,6 +55,12 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                     alpha = lora.adapters[names[0]].lora_alpha if names else None
                     yield Input("" if alpha is None else f"{alpha:g}",
                                 placeholder="lora_alpha (the run's value)", id="lora-alpha")
+                with Horizontal(id="lora-files-row"):
+                    yield Input("", placeholder="adapter_config.json (when not in "
+                                "lora_adapter/)", id="lora-config")
+                    if lora.lora_only:
+                        yield Input("", placeholder="base model folder (needed: adapter-only "
+                                    "checkpoint)", id="base-model")
             yield Label("Hub repo to upload to after verification (optional)")
             with Horizontal(id="upload-row"):
                 yield Input("", placeholder="my-org/my-model", id="hf-upload")
@@ -102,6 +108,12 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                     opts.lora_alpha = float(alpha)
                 except ValueError:
                     raise UsageError(f"lora_alpha {alpha!r} is not a number") from None
+                recorded = {a.lora_alpha for a in self.ckpt.lora.adapters.values()}
+                if opts.lora_alpha in recorded:
+                    opts.lora_alpha = None  # the recorded value, not the user's override
+            opts.lora_config = self.query_one("#lora-config", Input).value.strip() or None
+            if self.query("#base-model"):
+                opts.base_model = self.query_one("#base-model", Input).value.strip() or None
         # the same checks the merge makes, so a bad choice is refused here and not later
         from core.plan import lora_choice
 
