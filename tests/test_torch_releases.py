@@ -267,7 +267,7 @@ def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_
 
 def test_mesh_slice_without_root_link_joins_its_mesh(tp_root, tmp_path):
     """Norms without sequence parallelism stay on FSDP2's ``dp`` slice of the (dp, tp) mesh.
-    torch >= 2.10 links the slice to its root (``_root_mesh``); older releases pickle no link:
+    torch 2.11+ links the slice to its root (``_root_mesh``); older releases pickle no link:
     with the field renamed away the slice is still matched to the mesh by its dim names."""
     import shutil
 
