@@ -144,9 +144,8 @@ def test_strided_shard_offsets_follow_torch():
 
 
 def _rewrite_pickle(path: Path, old: bytes, new: bytes) -> None:
-    """Damage a real rank file: replace bytes inside its data.pkl (same length, so the
-    pickle stays well-formed), keeping every other zip entry as is."""
-    assert len(old) == len(new)
+    """Damage a real rank file: replace bytes inside its data.pkl (whole length-prefixed
+    strings, so the pickle stays well-formed), keeping every other zip entry as is."""
     with zipfile.ZipFile(path) as z:
         entries = [(i, z.read(i)) for i in z.infolist()]
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
@@ -278,3 +277,22 @@ def test_mesh_slice_without_root_link_joins_its_mesh(tp_root, tmp_path):
     layout = _merge(ck, tmp_path / "out")
     assert layout.mesh_shape == (2, 2) and layout.parallel == {"fsdp": 2, "tp": 2}
     assert_bit_equal(load(tmp_path / "out"), load(tp_root / "tp-2x2-qwen-bf16.reference"))
+
+
+def test_gpu_written_records_read_like_cpu_ones(fixtures_root, tmp_path):
+    """Files saved from GPU tensors record their storages at ``cuda:N`` and meshes of device
+    type ``cuda`` (seen in torch 2.11 files written on a GPU). No GPU here: the real HSDP
+    files get those strings in place of ``cpu`` and merge exactly as before."""
+    import shutil
+
+    ck = shutil.copytree(fixtures_root / "w4-hsdp", tmp_path / "ck")
+    for r in range(4):
+        _rewrite_pickle(ck / f"model_world_size_4_rank_{r}.pt", b"\x03\x00\x00\x00cpu",
+                        b"\x06\x00\x00\x00cuda:%d" % r)
+    from core.formats.torchsave import read_torch_archive
+
+    arch = read_torch_archive(str(ck / "model_world_size_4_rank_3.pt"))
+    assert {s.location for s in arch.storages.values()} == {"cuda:3"}
+    layout = _merge(ck, tmp_path / "out")
+    assert layout.mesh_shape == (2, 2)
+    assert_bit_equal(load(tmp_path / "out"), load(fixtures_root / "w4-hsdp.reference"))

@@ -106,8 +106,10 @@ def _mesh_shape_from_layout(layout: Record) -> tuple[int, ...]:
 
 
 def _prod(x, what: str) -> int:
+    """Size of a CuTe shape: the product of its (nested) entries; ``()`` is a dim of size 1
+    (``_FlatLayout`` drops dims of size 1 when it normalises)."""
     vals = list(_flatten(x))
-    if not vals or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                            for v in vals):
         raise MeshRecordError(f"{what} is {x!r}, not sizes")
     return math.prod(vals)
