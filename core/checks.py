@@ -30,8 +30,14 @@ def config_problems(layout: CheckpointLayout) -> list[Problem]:
     if emb is not None and len(emb.shape) == 2:
         vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
         if isinstance(vocab, int) and emb.shape[0] != vocab:
+            hint = ""
+            if layout.format == "dcp-hf" and emb.shape[0] < vocab:
+                # DCP's safetensors files hold no global shape (torch/distributed/checkpoint/
+                # _hf_utils.py): rows past the last file present are simply not seen
+                hint = (f"; a rank file is probably missing (DCP's per-rank safetensors "
+                        f"record no global shape; {len(layout.files)} rank files found)")
             out.append(Problem("config-mismatch", f"the embedding has {emb.shape[0]} rows, "
-                               f"config.json says vocab_size {vocab}", where))
+                               f"config.json says vocab_size {vocab}{hint}", where))
         if isinstance(hidden, int) and emb.shape[1] != hidden:
             out.append(Problem("config-mismatch", f"the embedding is {emb.shape[1]} wide, "
                                f"config.json says hidden_size {hidden}", where))

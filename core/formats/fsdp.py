@@ -62,26 +62,99 @@ def sniff(path: str) -> bool:
     return p.is_dir() and bool(_rank_files(p)[1])
 
 
-def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple[int, ...] | None]:
-    """(mesh shape, dimension names, this rank's coordinate) from a pickled DeviceMesh.
-    torch 2.13 keeps the shape in ``_layout.axes`` (one ``_FlatLayout`` per dim) and the
-    coordinate in ``_coordinate_on_dim``; older releases keep a ``mesh`` tensor."""
-    names = mesh.get("_mesh_dim_names")
-    names = tuple(names) if names else None
-    coord = mesh.get("_coordinate_on_dim")
-    coord = tuple(coord) if coord is not None else None
-    layout = mesh.get("_layout")
-    shape: tuple[int, ...] = ()
-    if isinstance(layout, Record) and layout.get("axes"):
+#: torch.save archives do not record the torch release that wrote them
+UNKNOWN_RELEASE = ("a record layout this reader does not know (the file does not say which "
+                   "torch release wrote it; files of torch 2.4, 2.6, 2.9, 2.11, 2.13 "
+                   "and 2.14 were checked)")
+
+
+class UnknownRecordError(BadCheckpointError):
+    """A rank file whose DTensor records have a layout this reader does not know."""
+
+
+class MeshRecordError(ValueError):
+    """A pickled DeviceMesh, placement or DTensorSpec whose layout this reader does not know
+    (a torch release newer than the ones it was checked against); the message names the
+    field."""
+
+
+def _mesh_shape_from_layout(layout: Record) -> tuple[int, ...]:
+    """Mesh shape from a pickled ``torch.distributed._mesh_layout._MeshLayout``.
+
+    torch 2.13-2.14 keep ``axes``: one ``_FlatLayout`` per mesh dimension whose ``shape`` may
+    be a (nested) tuple: the dimension's size is the product. torch 2.11-2.12 keep the CuTe
+    pair ``shape``/``stride`` directly, one entry (an int or a nested tuple) per mesh
+    dimension (torch/distributed/_mesh_layout.py of each release; checked on 2.11 and 2.13
+    files)."""
+    axes = layout.get("axes")
+    if axes is not None:
         dims = []
-        for ax in layout.get("axes"):
+        for ax in axes:
             s = ax.get("shape") if isinstance(ax, Record) else None
-            dims.append(math.prod(_flatten(s)) if s is not None else 0)
-        shape = tuple(dims)
-    elif isinstance(mesh.get("mesh"), TensorRef):
-        shape = mesh.get("mesh").shape
-    elif isinstance(mesh.get("_rank_map"), TensorRef):
-        shape = mesh.get("_rank_map").shape
+            if s is None:
+                raise MeshRecordError(f"DeviceMesh._layout.axes holds {_kind(ax)}, not a "
+                                      "_FlatLayout with a shape")
+            dims.append(_prod(s, "DeviceMesh._layout.axes[].shape"))
+        return tuple(dims)
+    shape = layout.get("shape")
+    if isinstance(shape, (tuple, list)):
+        return tuple(_prod(s, "DeviceMesh._layout.shape") for s in shape)
+    if isinstance(shape, int):
+        return (shape,)
+    raise MeshRecordError(f"DeviceMesh._layout ({layout.name}) has neither axes nor shape "
+                          f"(fields: {_fields(layout)})")
+
+
+def _prod(x, what: str) -> int:
+    """Size of a CuTe shape: the product of its (nested) entries; ``()`` is a dim of size 1
+    (``_FlatLayout`` drops dims of size 1 when it normalises)."""
+    vals = list(_flatten(x))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in vals):
+        raise MeshRecordError(f"{what} is {x!r}, not sizes")
+    return math.prod(vals)
+
+
+def _kind(x) -> str:
+    return f"{x.module}.{x.name}" if isinstance(x, Record) else type(x).__name__
+
+
+def _fields(rec: Record) -> str:
+    st = _state(rec)
+    return ", ".join(sorted(map(str, st))) if st else "none"
+
+
+def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple[int, ...] | None]:
+    """(mesh shape, dimension names, this rank's coordinate) from a pickled DeviceMesh
+    (``DeviceMesh.__getstate__`` pickles its ``__dict__``; torch/distributed/device_mesh.py).
+
+    Where each release keeps the shape: torch <= 2.9 a ``mesh`` tensor of the mesh's shape;
+    torch 2.11-2.12 ``_layout`` = ``_MeshLayout(shape, stride)`` beside a flat ``_rank_map``;
+    torch 2.13-2.14 ``_layout.axes`` (one ``_FlatLayout`` per dimension). Names:
+    ``mesh_dim_names`` (<= 2.9) or ``_mesh_dim_names``; coordinate: ``_coordinate_on_dim``
+    (``None`` when the file's rank is outside the mesh). Raises :class:`MeshRecordError`
+    naming the field for any other layout."""
+    if not isinstance(mesh, Record) or mesh.name != "DeviceMesh":
+        raise MeshRecordError(f"DTensorSpec.mesh is {_kind(mesh)}, not a DeviceMesh")
+    st = _state(mesh)
+    names = st.get("_mesh_dim_names", st.get("mesh_dim_names"))
+    names = tuple(map(str, names)) if names else None
+    coord = st.get("_coordinate_on_dim")
+    coord = tuple(coord) if isinstance(coord, (tuple, list)) else None
+    layout = st.get("_layout")
+    if isinstance(layout, Record):
+        shape = _mesh_shape_from_layout(layout)
+    elif isinstance(st.get("mesh"), TensorRef):
+        shape = tuple(st["mesh"].shape)
+    else:  # a flat ``_rank_map`` alone does not give the shape (torch >= 2.11 keeps it 1-D)
+        raise MeshRecordError(f"DeviceMesh record has no mesh tensor nor _layout (fields: "
+                              f"{_fields(mesh)})")
+    if names is not None and len(names) != len(shape):
+        raise MeshRecordError(f"DeviceMesh names {names} for a {len(shape)}-D mesh {shape}")
+    if coord is not None and (len(coord) != len(shape) or not all(
+            isinstance(c, int) and 0 <= c < n for c, n in zip(coord, shape))):
+        raise MeshRecordError(f"DeviceMesh._coordinate_on_dim {coord} lies outside the mesh "
+                              f"{shape}")
     return shape, names, coord
 
 
@@ -94,34 +167,104 @@ def _flatten(x):
 
 
 def _placement_str(p: Record) -> str:
-    if p.name == "Shard" or p.name == "_StridedShard":
-        return f"{p.name.lstrip('_')}({p.get('dim')})"
+    if not isinstance(p, Record):
+        return type(p).__name__
+    if p.name == "_StridedShard":
+        return f"StridedShard({p.get('dim')}, {p.get('split_factor')})"
+    if p.name == "Shard":
+        return f"Shard({p.get('dim')})"
     return f"{p.name}()"
 
 
+SHARD_KINDS = ("Shard", "_StridedShard")
+
+
+def shard_orders(ndim: int, mesh_shape: tuple[int, ...], placements: list[Record],
+                 recorded=None) -> dict[int, list[int]]:
+    """For each sharded tensor dim, the mesh dims that shard it in the order they apply.
+
+    Default: left to right. ``_StridedShard(d, split_factor=sf)`` on mesh dim ``i`` means
+    that before it, ``d`` was already cut into ``sf`` pieces by mesh dims to its right: it
+    applies after those (torch/distributed/tensor/_dtensor_spec.py,
+    ``_maybe_convert_StridedShard_to_shard_order``, placement_types.py ``_StridedShard``;
+    FSDP2 over TP gives ``(_StridedShard(0, tp), Shard(0))``: cut into ``tp`` chunks, each
+    cut into ``dp`` pieces). Without a ``_StridedShard``, a recorded ``shard_order``
+    (``ShardOrderEntry(tensor_dim, mesh_dims)``, in torch 2.11 files) gives the order. Raises
+    :class:`MeshRecordError` for placements or orders this reader does not know."""
+    order: dict[int, list[int]] = {}
+    if len(placements) != len(mesh_shape):
+        raise MeshRecordError(f"{len(placements)} placements for a {len(mesh_shape)}-D mesh")
+    for p in placements:
+        if not isinstance(p, Record) or p.name not in SHARD_KINDS + ("Replicate",):
+            if isinstance(p, Record) and "Partial" in p.name:
+                raise MeshRecordError(f"placement {p.name} (a pending reduction, not stored "
+                                      "weights) cannot be merged")
+            raise MeshRecordError(f"placement {_kind(p)} is not supported")
+        if p.name in SHARD_KINDS:
+            d = p.get("dim")
+            if not isinstance(d, int) or not -ndim <= d < ndim:
+                raise MeshRecordError(f"placement {_placement_str(p)} of a {ndim}-D tensor")
+    def dim_of(p):
+        d = p.get("dim")
+        return d + ndim if d < 0 else d
+
+    if any(p.name == "_StridedShard" for p in placements):
+        for i in reversed(range(len(placements))):
+            p = placements[i]
+            if p.name not in SHARD_KINDS:
+                continue
+            sf = p.get("split_factor") if p.name == "_StridedShard" else 1
+            dims = order.setdefault(dim_of(p), [])
+            acc, placed = 1, False
+            for k in range(len(dims) + 1):
+                if acc == sf:
+                    dims.insert(k, i)
+                    placed = True
+                    break
+                if k < len(dims):
+                    acc *= mesh_shape[dims[k]]
+            if not placed:
+                raise MeshRecordError(f"placement {_placement_str(p)} on mesh dim {i}: its "
+                                      f"split factor matches no order of the mesh {mesh_shape}")
+        return order
+    for i, p in enumerate(placements):
+        if p.name in SHARD_KINDS:
+            order.setdefault(dim_of(p), []).append(i)
+    if recorded:
+        for e in recorded:
+            args = e.args if isinstance(e, Record) else e
+            if not (isinstance(args, (tuple, list)) and len(args) == 2):
+                raise MeshRecordError(f"DTensorSpec.shard_order entry {_kind(e)} is not "
+                                      "(tensor_dim, mesh_dims)")
+            td, mds = args[0], tuple(args[1])
+            if sorted(mds) != sorted(order.get(td, [])):
+                raise MeshRecordError(f"DTensorSpec.shard_order {td}: {mds} disagrees with "
+                                      "the placements")
+            order[td] = list(mds)
+    return order
+
+
 def local_box(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
-              placements: list[Record]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+              placements: list[Record], recorded_order=None
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local shape) of the shard held at mesh coordinate ``coord``.
 
-    DTensor's even-chunk rule (torch ``compute_local_shape_and_global_offset``, default shard
-    order): mesh dims in order; ``Shard(d)`` over ``n`` ranks gives each ``ceil(size/n)``
-    elements of dim ``d``, the last ones fewer or none. Raises ValueError for placements
-    other than ``Shard``/``Replicate`` (``_StridedShard``, ``Partial``).
+    DTensor's chunk rule (torch ``compute_local_shape_and_global_offset``; ``Shard`` follows
+    ``torch.chunk``): each tensor dim is cut by the mesh dims that shard it, in the order of
+    :func:`shard_orders`; a cut over ``n`` ranks gives each ``ceil(size/n)`` elements, the
+    last ones fewer or none, and the next cut divides the piece already taken. Raises
+    :class:`MeshRecordError` (a ValueError) for placements it cannot place (``Partial``).
     """
     offsets = [0] * len(global_shape)
     sizes = list(global_shape)
-    for i, p in enumerate(placements):
-        if p.name == "Replicate":
-            continue
-        if p.name != "Shard":
-            raise ValueError(f"placement {_placement_str(p)} is not supported yet")
-        d = p.get("dim")
-        d = d + len(global_shape) if d < 0 else d
-        n, c = mesh_shape[i], coord[i]
-        chunk = -(-sizes[d] // n) if sizes[d] else 0
-        start = min(chunk * c, sizes[d])
-        offsets[d] += start
-        sizes[d] = max(0, min(chunk, sizes[d] - start))
+    for d, mesh_dims in shard_orders(len(global_shape), mesh_shape, placements,
+                                     recorded_order).items():
+        for i in mesh_dims:
+            n, c = mesh_shape[i], coord[i]
+            chunk = -(-sizes[d] // n) if sizes[d] else 0
+            start = min(chunk * c, sizes[d])
+            offsets[d] += start
+            sizes[d] = max(0, min(chunk, sizes[d] - start))
     return tuple(offsets), tuple(sizes)
 
 
@@ -139,12 +282,24 @@ class _Builder:
         self.layout = layout
         self.keys_by_rank: dict[int, set[str]] = {}
         self.mesh: tuple[tuple[int, ...], tuple[str, ...] | None] | None = None
-        self.shard_dims_by_mesh_dim: dict[int, set[str]] = {}
+        #: placement kinds seen per mesh dim (keyed by dim name when the mesh names them)
+        self.shard_dims_by_mesh_dim: dict[int | str, set[str]] = {}
         self.skipped: set[str] = set()
         self.mesh_reported = False
-        self.seen: set[tuple] = set()
+        self.seen: dict[tuple, Piece] = {}
+        #: (tensor, kept piece, identical-place piece of another rank): replica copies
+        self.copies: list[tuple[str, Piece, Piece]] = []
         self.mesh_cache: dict[int, tuple] = {}
         self.flat_params: set[str] = set()
+
+    def kinds_by_dim(self) -> dict[int, set[str]]:
+        """Placement kinds seen per dim of the checkpoint's mesh (``self.mesh``)."""
+        names = self.mesh[1] if self.mesh else None
+        out: dict[int, set[str]] = {}
+        for i in range(len(self.mesh[0]) if self.mesh else 0):
+            out[i] = set(self.shard_dims_by_mesh_dim.get(i, set())) | (
+                self.shard_dims_by_mesh_dim.get(names[i], set()) if names else set())
+        return out
 
     def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
         t = self.layout.tensors.get(name)
@@ -160,9 +315,11 @@ class _Builder:
         if piece.numel == 0:
             return
         key = (t.name, piece.global_offsets, piece.shape)
-        if key in self.seen:  # replicas (HSDP, replicated buffers): keep the first copy
+        first = self.seen.get(key)
+        if first is not None:  # replicas (HSDP, replicated buffers): keep the first copy
+            self.copies.append((t.name, first, piece))
             return
-        self.seen.add(key)
+        self.seen[key] = piece
         t.pieces.append(piece)
 
     def add_rank(self, rank: int, path: str, root) -> None:
@@ -209,25 +366,56 @@ class _Builder:
         mesh = spec.get("mesh")
         info = self.mesh_cache.get(id(mesh))  # tensors of a rank share one pickled mesh
         if info is None:
-            info = self.mesh_cache[id(mesh)] = (_mesh_info(mesh), mesh)
+            try:
+                info = self.mesh_cache[id(mesh)] = (_mesh_info(mesh), mesh)
+            except MeshRecordError as e:
+                raise UnknownRecordError(f"{name}: {e}; {UNKNOWN_RELEASE}", path) from None
         mesh_shape, names, coord = info[0]
         placements = list(spec.get("placements") or ())
+        if gshape is None or len(gshape) == 0 and placements and any(
+                isinstance(p, Record) and p.name in SHARD_KINDS for p in placements):
+            raise UnknownRecordError(f"{name}: DTensorSpec without tensor_meta (fields: "
+                                     f"{_fields(spec)}); {UNKNOWN_RELEASE}", path)
         pstr = ", ".join(_placement_str(p) for p in placements)
         t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
-        if self.mesh is None:
-            self.mesh = (mesh_shape, names)
-        elif self.mesh != (mesh_shape, names) and not self.mesh_reported:
+        # A submesh (e.g. FSDP2's ``dp`` mesh of a (dp, tp) world, holding the parameters TP
+        # left whole) keeps its root in ``_root_mesh`` (torch 2.11+); older releases keep
+        # no link, so a named mesh whose dims are named dims of the same sizes in another
+        # mesh of the file is taken as its slice. Tensors on either are one checkpoint.
+        root = _state(mesh).get("_root_mesh")
+        level = (mesh_shape, names)
+        if isinstance(root, Record) and root is not mesh:
+            rinfo = self.mesh_cache.get(id(root))
+            if rinfo is None:
+                try:
+                    rinfo = self.mesh_cache[id(root)] = (_mesh_info(root), root)
+                except MeshRecordError as e:
+                    raise UnknownRecordError(f"{name}: _root_mesh: {e}; {UNKNOWN_RELEASE}",
+                                             path) from None
+            if rinfo[0][:2] != level:
+                level = rinfo[0][:2]
+                if coord is None or not _is_slice((mesh_shape, names), level):
+                    raise UnknownRecordError(
+                        f"{name}: DeviceMesh slice {mesh_shape} {names} of {level[0]} "
+                        f"{level[1]} without named dims or _coordinate_on_dim; "
+                        f"{UNKNOWN_RELEASE}", path)
+        if self.mesh is None or _is_slice(self.mesh, level):
+            self.mesh = level
+        elif self.mesh != level and not _is_slice(level, self.mesh) and not self.mesh_reported:
             self.mesh_reported = True
             self.layout.problems.append(Problem(
-                "mesh-mismatch", f"{name}: device mesh {mesh_shape} {names} here, "
+                "mesh-mismatch", f"{name}: device mesh {level[0]} {level[1]} here, "
                 f"{self.mesh[0]} {self.mesh[1]} elsewhere", path))
         if coord is None:
             coord = tuple(_unravel(rank, mesh_shape))
         for i, p in enumerate(placements):
-            self.shard_dims_by_mesh_dim.setdefault(i, set()).add(p.name)
+            self.shard_dims_by_mesh_dim.setdefault(names[i] if names else i, set()).add(
+                ("Shard" if p.name in SHARD_KINDS else p.name) if isinstance(p, Record)
+                else _kind(p))
         try:
-            offsets, shape = local_box(gshape, mesh_shape, coord, placements)
-        except ValueError as e:
+            offsets, shape = local_box(gshape, mesh_shape, coord, placements,
+                                       spec.get("shard_order"))
+        except MeshRecordError as e:
             self.layout.problems.append(Problem("unsupported-placement", f"{name}: {e}", path))
             return
         if shape != local.shape:
@@ -270,6 +458,15 @@ class _Builder:
                               offsets, rank))
 
 
+def _is_slice(a: tuple, b: tuple) -> bool:
+    """True when mesh ``a`` (shape, names) is a proper slice of mesh ``b``: every dim of ``a``
+    is named and is a dim of ``b`` of the same name and size."""
+    (ashape, anames), (bshape, bnames) = a, b
+    if not anames or not bnames or len(ashape) >= len(bshape):
+        return False
+    return all(n in bnames and bshape[bnames.index(n)] == s for n, s in zip(anames, ashape))
+
+
 def _unravel(rank: int, shape: tuple[int, ...]) -> list[int]:
     out = []
     for n in reversed(shape):
@@ -292,6 +489,111 @@ def _mesh_parallel(shape, names, kinds: dict[int, set[str]]) -> dict[str, int]:
             kind = "dp"
         par[kind] = par.get(kind, 1) * n
     return par
+
+
+def _serve_from_replicas(layout: CheckpointLayout, b: _Builder, world: int,
+                         missing: list[int], replica_dims: list[int]) -> None:
+    """HSDP with rank files missing: the mesh dims in ``replica_dims`` hold identical copies
+    (every tensor is ``Replicate`` there), so a lost rank is no loss while another replica
+    holds each of its shards. When every tensor is still tiled exactly, the missing ranks
+    become warnings naming the replica that served them, after checking that the copies
+    present agree byte for byte; otherwise the coverage gaps (naming each tensor) stay
+    errors beside the missing ranks."""
+    gaps = [p for t in layout.tensors.values() for p in coverage_problems(t)]
+    if gaps:
+        layout.problems.insert(0, Problem(
+            "lost-shard", f"ranks {', '.join(map(str, missing[:8]))} of {world} are missing "
+            f"and no HSDP replica present holds all their shards ({len(gaps)} tensors lack a "
+            f"piece, e.g. {gaps[0].message})", layout.path))
+        layout.problems.extend(gaps)
+        return
+    shape = layout.mesh_shape
+    present = {f.rank for f in layout.files if f.status != "missing"}
+    coords = {r: tuple(_unravel(r, shape)) for r in range(world)}
+    served = []
+    for r in missing:
+        same = [q for q in sorted(present) if all(
+            coords[q][i] == coords[r][i] for i in range(len(shape)) if i not in replica_dims)]
+        served.append(f"rank {r} from rank {same[0]}" if same else f"rank {r}")
+    for p in layout.problems:
+        if p.code == "missing-rank":
+            p.severity = "warning"
+            p.message += " (HSDP: another replica holds its shards)"
+    bad = _disagreeing_copies(b.copies)
+    if bad:
+        layout.problems.append(Problem(
+            "replica-mismatch", f"{bad[0]}: the HSDP replicas present differ, so the copies "
+            f"that stand in for the missing ranks cannot be trusted ({len(bad)} tensors differ)",
+            layout.path))
+        return
+    layout.notes.append(f"HSDP: {len(missing)} of {world} rank files missing; every shard has a "
+                        f"copy on another replica ({'; '.join(served[:8])}); the "
+                        f"{len(b.copies)} replica copies present agree byte for byte")
+
+
+def _disagreeing_copies(copies: list[tuple[str, Piece, Piece]]) -> list[str]:
+    """Names of tensors whose replica pieces differ in their bytes (contiguous pieces are
+    compared as raw bytes; others element row by row through their strides)."""
+    from ..dtypes import ITEMSIZE
+
+    bad: list[str] = []
+    handles: dict[str, object] = {}
+    try:
+        for name, a, c in copies:
+            if name in bad or a.dtype != c.dtype:
+                bad += [] if name in bad else [name]
+                continue
+            size = ITEMSIZE[a.dtype]
+            if a.contiguous and c.contiguous:
+                if not _same_bytes(handles, a, c, a.numel * size):
+                    bad.append(name)
+            elif _raw(handles, a, size) != _raw(handles, c, size):
+                bad.append(name)
+    finally:
+        for f in handles.values():
+            f.close()
+    return bad
+
+
+def _handle(handles: dict, path: str):
+    if path not in handles:
+        handles[path] = open(path, "rb")
+    return handles[path]
+
+
+def _same_bytes(handles: dict, a: Piece, c: Piece, nbytes: int, block: int = 1 << 24) -> bool:
+    fa, fc = _handle(handles, a.file), _handle(handles, c.file)
+    for start in range(0, nbytes, block):
+        n = min(block, nbytes - start)
+        fa.seek(a.byte_offset + start)
+        fc.seek(c.byte_offset + start)
+        if fa.read(n) != fc.read(n):
+            return False
+    return True
+
+
+def _raw(handles: dict, p: Piece, size: int) -> bytes:
+    """The bytes of piece ``p`` in C order, read through its strides (``size``: item size)."""
+    f = _handle(handles, p.file)
+    if not p.shape:
+        f.seek(p.byte_offset)
+        return f.read(size)
+    inner, inner_stride = p.shape[-1], p.stride[-1]
+    out = bytearray()
+    outer = p.shape[:-1]
+    for idx in range(math.prod(outer)):
+        off, rem = 0, idx
+        for n, st in zip(reversed(outer), reversed(p.stride[:-1])):
+            off += (rem % n) * st
+            rem //= n
+        f.seek(p.byte_offset + off * size)
+        if inner_stride == 1:
+            out += f.read(inner * size)
+        else:
+            row = f.read(((inner - 1) * inner_stride + 1) * size)
+            out += b"".join(row[k * inner_stride * size:(k * inner_stride + 1) * size]
+                            for k in range(inner))
+    return bytes(out)
 
 
 def read(path: str, present_only: bool = False) -> CheckpointLayout:
@@ -361,6 +663,9 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
         try:
             b.mesh_cache.clear()
             b.add_rank(r, fpath, read_torch_archive(fpath).root)
+        except UnknownRecordError as e:
+            sf.status = "unreadable"
+            layout.problems.append(Problem("unsupported-record", e.message, fpath))
         except BadCheckpointError as e:
             sf.status = "unreadable"
             layout.problems.append(problem_for(e, fpath))
@@ -378,7 +683,7 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
                                            files[r]))
     if b.mesh:
         layout.mesh_shape, layout.mesh_dim_names = b.mesh
-        layout.parallel = _mesh_parallel(b.mesh[0], b.mesh[1], b.shard_dims_by_mesh_dim)
+        layout.parallel = _mesh_parallel(b.mesh[0], b.mesh[1], b.kinds_by_dim())
     elif world > 1:
         layout.parallel = {"fsdp": world}
     all_keys = set().union(*b.keys_by_rank.values()) if b.keys_by_rank else set()
@@ -396,10 +701,15 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
             f"flat parameters (e.g. {example}) hold the model's tensors flattened, and the files "
             "do not record their names or shapes; unsupported: save with "
             "StateDictType.SHARDED_STATE_DICT or FULL_STATE_DICT", str(root)))
+    unreadable = any(p.code in ("unreadable-file", "truncated-file", "unsafe-pickle",
+                                "unsupported-record") for p in layout.problems)
+    replica_dims = [i for i, n in enumerate(layout.mesh_shape)
+                    if b.kinds_by_dim().get(i) == {"Replicate"} and n > 1]
     if present_only:
         layout.keys_by_rank = b.keys_by_rank  # for the union's key check
-    elif not any(p.code in ("missing-rank", "unreadable-file", "truncated-file", "unsafe-pickle")
-               for p in layout.problems):
+    elif n_missing and not unreadable and replica_dims and n_missing < world:
+        _serve_from_replicas(layout, b, world, missing, replica_dims)
+    elif not unreadable and not any(p.code == "missing-rank" for p in layout.problems):
         for t in layout.tensors.values():
             layout.problems.extend(coverage_problems(t))
     hf = root / "huggingface"
