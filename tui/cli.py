@@ -213,7 +213,8 @@ def _check_args(args) -> None:
 
     if args.command in ("inspect", "merge", "verify", "upload"):
         path = args.path if args.command != "merge" else (args.path or args.local_dir)
-        if path and not os.path.exists(path):
+        # under --distributed PATH may hold {rank}; each process checks its own folder
+        if path and not getattr(args, "distributed", False) and not os.path.exists(path):
             raise UsageError("no such file or folder", path)
     if args.command == "verify" and args.reference and not os.path.exists(args.reference):
         raise UsageError("no such file or folder", args.reference)
