@@ -6,8 +6,9 @@ gives the Hugging Face names ``save_pretrained`` writes and, for each, its locat
 LoRA fold), so a Megatron run compares ``q_proj`` with a Hugging Face folder's ``q_proj``, and a
 sharded FSDP run compares with its merged output. Values are read by :mod:`core.read`, one
 tensor of each side at a time (memory: two tensors plus a bounded float64 chunk). Same-dtype
-tensors are compared as raw bit patterns first (numpy, no torch import, no decoding); only
-tensors that differ are decoded for statistics.
+tensors are compared as raw bit patterns first (numpy arrays of the stored words, no
+decoding); only tensors that differ are decoded (torch) for statistics. (Planning the names
+builds the model on the meta device with transformers, as a merge does.)
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def _compare(name, x, y, src_a, src_b, atol, rtol) -> TensorDiff:
     from .read import read_words
 
     if x.dtype == y.dtype and x.fold is None and y.fold is None:
-        # raw bit patterns, no decoding: the common case (a merge against its source)
+        # raw bit patterns, not decoded: the common case (a merge against its source)
         import numpy as np
 
         wa = read_words(x.pieces, x.shape, x.source.dtype, src_a, x.source.flat)
@@ -279,8 +280,8 @@ def _compare(name, x, y, src_a, src_b, atol, rtol) -> TensorDiff:
 
 def _fill_norms_unchanged(d: TensorDiff, words, dtype: str) -> TensorDiff:
     """An identical tensor's ||A|| (for the per-layer relative change), from its bit patterns
-    with numpy in chunks (bf16 widened to float32 by its bits), so a diff of identical
-    checkpoints never imports torch. Dtypes numpy cannot decode (float8, integers, bool) get
+    with numpy in chunks (bf16 widened to float32 by its bits), without decoding the tensor
+    through torch. Dtypes numpy cannot decode (float8, integers, bool) get
     no norm and are left out of the layer sums."""
     import numpy as np
 
