@@ -177,3 +177,22 @@ def test_bad_inputs_exit_3_and_bad_options_exit_2(fixtures_root, tmp_path):
     r = run(fixtures_root / "w2-qwen2-f32", fixtures_root / "w2-qwen2-f32.reference",
             "--atol", "-1")
     assert r.returncode == 2
+
+
+def test_cancel_between_tensors_stops_with_exit_130(fixtures_root):
+    import threading
+
+    from core import MergeCancelled
+    from core.diff import diff_checkpoints
+
+    cancel, seen = threading.Event(), []
+
+    def progress(done, total, name):
+        seen.append(name)
+        cancel.set()  # as Ctrl-C does from the front end
+
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    with pytest.raises(MergeCancelled) as e:
+        diff_checkpoints(str(fixtures_root / "w2-qwen2-f32"), str(ref), on_progress=progress,
+                         cancel=cancel)
+    assert e.value.exit_code == 130 and len(seen) == 1
