@@ -56,6 +56,8 @@ class InspectorScreen(Screen):
                 tooltip="Statistics of the selected tensor, read from the shards"),
         Binding("n", "names", "Source names", id="names",
                 tooltip="Group the tree by the checkpoint's own (e.g. Megatron) names"),
+        Binding("c", "compare", "Compare", id="compare", show=False,
+                tooltip="Compare with a second checkpoint (each tensor's change)"),
         Binding("escape", "back", "Back", id="back", tooltip="Back to the browser"),
     ]
 
@@ -178,6 +180,15 @@ class InspectorScreen(Screen):
     @on(StatsComputed)
     def _stats_computed(self, msg: StatsComputed) -> None:
         self.query_one("#stats", Static).update(msg.text)
+
+    def action_compare(self) -> None:
+        from tui.screens.compare import ComparePathScreen, CompareScreen
+
+        def start(path: str | None) -> None:
+            if path:
+                self.app.push_screen(CompareScreen(self.ckpt.path, path))
+
+        self.app.push_screen(ComparePathScreen(), start)
 
     def action_merge(self) -> None:
         from tui.screens.merge_options import MergeOptionsScreen
