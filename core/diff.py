@@ -37,9 +37,11 @@ class SideOptions:
     used where the side has none of its own or has Megatron/native names), ``weights``
     (DeepSpeed ``master`` or ``module``), and the LoRA choice (``lora``: ``fold`` or ``base``,
     with ``lora_adapter``/``lora_alpha``/``lora_config``/``base_model`` as for ``merge``), used
-    only by a side that holds an adapter."""
+    only by a side that holds an adapter. ``dtype``: ``bf16``/``fp16``/``fp32`` casts the
+    side's floating tensors as ``merge --dtype`` does (e.g. a bf16 merge's source)."""
 
     hf_config: str | None = None
+    dtype: str | None = None
     weights: str = "master"
     lora: str | None = None
     lora_adapter: str | None = None
@@ -195,6 +197,7 @@ def output_tensors(path: str, side: SideOptions | None = None):
             layout = detect(path, deepspeed_weights=side.weights, hf_config=hf_config)
     has_lora = layout.lora is not None and hasattr(layout.lora, "adapters")
     opts = MergeOptions(output=str(path), hf_config=hf_config, model_card=False,
+                        dtype=side.dtype,
                         lora=side.lora if has_lora else None,
                         lora_adapter=side.lora_adapter if has_lora else None,
                         lora_alpha=side.lora_alpha if has_lora else None,

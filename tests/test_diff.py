@@ -196,3 +196,16 @@ def test_cancel_between_tensors_stops_with_exit_130(fixtures_root):
         diff_checkpoints(str(fixtures_root / "w2-qwen2-f32"), str(ref), on_progress=progress,
                          cancel=cancel)
     assert e.value.exit_code == 130 and len(seen) == 1
+
+
+def test_a_bf16_merge_against_its_fp32_source(fixtures_root, tmp_path):
+    from core import MergeOptions, detect, plan_merge, run_merge
+
+    src = fixtures_root / "w2-qwen2-f32"
+    run_merge(plan_merge(detect(src), MergeOptions(output=str(tmp_path / "m"), dtype="bf16",
+                                                   workers=1)))
+    code, d = diff_json(src, tmp_path / "m")
+    assert code == 1 and d["counts"]["dtype"] == len(d["tensors"])
+    assert all(t["dtype_b"] == "BF16" and t["cosine"] > 0.999 for t in d["tensors"])
+    code, d = diff_json(src, tmp_path / "m", "--dtype", "bf16")
+    assert code == 0 and d["counts"]["identical"] == len(d["tensors"])

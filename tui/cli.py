@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hf-config", metavar="DIR",
                    help="Hugging Face config folder for a side that has none of its own or has "
                         "Megatron/torchtitan names")
+    d.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="cast both sides' F64/F32/F16/BF16 tensors first, as merge --dtype")
     d.add_argument("--weights", choices=["master", "module"], default="master",
                    help="DeepSpeed sides: the fp32 master copy (default) or the module weights")
     d.add_argument("--lora", choices=["fold", "base"],
@@ -408,7 +410,8 @@ def cmd_diff(args) -> int:
         raise UsageError("--atol, --rtol and --top must not be negative")
     for path in (args.a, args.b):
         check_readable(path)
-    side = SideOptions(hf_config=args.hf_config, weights=args.weights, lora=args.lora,
+    side = SideOptions(hf_config=args.hf_config, dtype=args.dtype, weights=args.weights,
+                       lora=args.lora,
                        lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
                        lora_config=args.lora_config, base_model=args.base_model)
     err = Console(stderr=True, soft_wrap=True)
