@@ -196,6 +196,11 @@ def output_tensors(path: str, side: SideOptions | None = None):
         if layout.format.startswith("megatron") or native:
             layout = detect(path, deepspeed_weights=side.weights, hf_config=hf_config)
     has_lora = layout.lora is not None and hasattr(layout.lora, "adapters")
+    if has_lora and side.lora is None:
+        from .errors import UsageError
+
+        raise UsageError(f"holds LoRA ({layout.lora.summary()}): choose --lora fold (compare "
+                         "the folded weights) or --lora base (the base weights alone)", path)
     opts = MergeOptions(output=str(path), hf_config=hf_config, model_card=False,
                         dtype=side.dtype,
                         lora=side.lora if has_lora else None,
