@@ -206,15 +206,19 @@ def check_output(out: Path, overwrite: bool, source: str | None = None) -> None:
                          "it", str(out))
 
 
-def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
+def plan_merge(layout: CheckpointLayout, options: MergeOptions,
+               writing: bool = True) -> MergePlan:
     """Plan the merge of ``layout`` into a Hugging Face folder.
+
+    With ``writing`` off (``shardscope diff``: the tensors a merge would write, read in place)
+    the output folder is neither checked nor given a model card.
 
     Raises :class:`BadCheckpointError` (listing the problems) when the layout has errors or a
     piece cannot be located; :class:`OutputExistsError` when the output exists and overwrite is
     off; :class:`UsageError` for a bad option.
     """
-    out = Path(options.output)
-    check_output(out, options.overwrite, layout.path)
+    if writing:
+        check_output(Path(options.output), options.overwrite, layout.path)
     from .native_names import DETAIL as NATIVE
 
     native = NATIVE in layout.details or any(p.code == "native-names-no-config"
@@ -372,7 +376,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions) -> MergePlan:
                         f"(the checkpoint's says {verdict.named})")
     plan = MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype,
                      generated, verdict)
-    if options.model_card and not any(rel == "README.md" for _, rel in copy):
+    if writing and options.model_card and not any(rel == "README.md" for _, rel in copy):
         from .publish import model_card
 
         plan.generated["README.md"] = model_card(plan, _version()).encode()

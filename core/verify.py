@@ -137,13 +137,6 @@ def _value_difference(xa, xb, atol, rtol) -> str:
 
 def read_tensor(layout, name: str):
     """The full tensor ``name`` of ``layout``, read from its pieces (a torch tensor)."""
-    from .execute import _Sources, assemble
+    from .read import read_layout_tensor
 
-    t = layout.tensors[name]
-    pieces = [p if layout.resolve_piece is None or p.numel == 0 else layout.resolve_piece(p)
-              for p in t.pieces]
-    src = _Sources()
-    try:
-        return assemble(pieces, t.shape, t.dtype, src, t.flat)
-    finally:
-        src.close()
+    return read_layout_tensor(layout, name)

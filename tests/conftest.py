@@ -193,6 +193,26 @@ def lora_root() -> Path:
     return cached(_cache_root().parent / f"lora-{key}", write, lock="lock-lora")
 
 
+@pytest.fixture(scope="session")
+def training_root(fixtures_root) -> Path:
+    """``step1/`` and ``step2/``: two steps of real training of ``w2-qwen2-f32.reference``
+    (:mod:`fixtures_diff`), cached with its own key."""
+    from importlib.metadata import version
+
+    import torch
+
+    from fixtures_diff import write_training_steps
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, version("transformers"), fixtures_root.name,
+         (ROOT / "tests" / "fixtures_diff.py").read_text()]).encode()).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        write_training_steps(fixtures_root / "w2-qwen2-f32.reference", tmp)
+
+    return cached(_cache_root().parent / f"training-{key}", write, lock="lock-training")
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)

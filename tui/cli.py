@@ -128,6 +128,33 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--rtol", type=float, default=0.0,
                    help="relative tolerance (default 0: bit-exact)")
 
+    d = sub.add_parser("diff", help="compare two checkpoints of any formats, tensor by tensor "
+                                    "(exit 0 identical, 1 different)")
+    d.add_argument("a", help="a checkpoint (any format shardscope reads)")
+    d.add_argument("b", help="another checkpoint (any format) to compare with A")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.add_argument("--atol", type=float, default=0.0,
+                   help="absolute tolerance (default 0: bit for bit)")
+    d.add_argument("--rtol", type=float, default=0.0,
+                   help="relative tolerance (default 0: bit for bit)")
+    d.add_argument("--top", type=int, default=10, help="largest changes to list (default 10)")
+    d.add_argument("--all", action="store_true", help="list every tensor, identical ones too")
+    d.add_argument("--hf-config", metavar="DIR",
+                   help="Hugging Face config folder for a side that has none of its own or has "
+                        "Megatron/torchtitan names")
+    d.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="cast both sides' F64/F32/F16/BF16 tensors first, as merge --dtype")
+    d.add_argument("--weights", choices=["master", "module"], default="master",
+                   help="DeepSpeed sides: the fp32 master copy (default) or the module weights")
+    d.add_argument("--lora", choices=["fold", "base"],
+                   help="a side holding a LoRA adapter: compare it folded, or its base alone")
+    d.add_argument("--lora-adapter", metavar="NAME", help="which adapter, when there are several")
+    d.add_argument("--lora-alpha", type=float, help="the run's lora_alpha, when not recorded")
+    d.add_argument("--lora-config", metavar="FILE", help="the adapter's adapter_config.json")
+    d.add_argument("--base-model", metavar="DIR",
+                   help="the base weights of a side holding the LoRA adapter only")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+
     u = sub.add_parser("upload", help="upload a merged folder to a Hugging Face Hub repository "
                                       "(after verifying it)")
     u.add_argument("path", help="the merged folder")
@@ -166,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and not argv[0].startswith("-") and argv[0] not in (
-            "inspect", "merge", "verify", "sample", "upload"):
+            "inspect", "merge", "verify", "sample", "upload", "diff"):
         if not os.path.exists(argv[0]):  # a typo must not open the app somewhere else
             print(f"shardscope: {argv[0]}: no such file or folder", file=sys.stderr)
             return 2
@@ -186,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_app()
         return {"inspect": cmd_inspect, "merge": cmd_merge, "verify": cmd_verify,
-                "sample": cmd_sample, "upload": cmd_upload}[args.command](args)
+                "sample": cmd_sample, "upload": cmd_upload, "diff": cmd_diff}[args.command](args)
     except ShardscopeError as e:
         print(f"shardscope: {e}", file=sys.stderr)
         return e.exit_code
@@ -530,6 +557,58 @@ def cmd_verify(args) -> int:
         return 1
     console.print(f"[green]ok[/] {args.path}")
     return 0
+
+
+def cmd_diff(args) -> int:
+    """``shardscope diff A B``: exit 0 when every tensor is identical (or within
+    --atol/--rtol), 1 when they differ, 2/3 for usage/bad checkpoint, 130 on Ctrl-C."""
+    from rich.console import Console
+
+    from core import UsageError
+    from core.diff import SideOptions, check_readable, diff_checkpoints
+
+    if args.atol < 0 or args.rtol < 0 or args.top < 0:
+        raise UsageError("--atol, --rtol and --top must not be negative")
+    for path in (args.a, args.b):
+        check_readable(path)
+    side = SideOptions(hf_config=args.hf_config, dtype=args.dtype, weights=args.weights,
+                       lora=args.lora,
+                       lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
+                       lora_config=args.lora_config, base_model=args.base_model)
+    err = Console(stderr=True, soft_wrap=True)
+    cancel = threading.Event()
+    try:
+        if not args.quiet and err.is_terminal:
+            from rich.progress import Progress
+
+            with Progress(console=err, transient=True) as prog:
+                task = prog.add_task("comparing", total=None)
+
+                def update(done, total, name):
+                    prog.update(task, completed=done, total=total,
+                                description=f"comparing {name}")
+
+                result = diff_checkpoints(args.a, args.b, args.atol, args.rtol, side, side,
+                                          on_progress=update, cancel=cancel)
+        else:
+            result = diff_checkpoints(args.a, args.b, args.atol, args.rtol, side, side,
+                                      cancel=cancel)
+    except KeyboardInterrupt:
+        cancel.set()
+        print("shardscope: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        from tui.render import render_diff
+
+        for w in result.warnings:
+            err.print(f"[yellow]warning:[/] {w}", highlight=False)
+        out = Console()
+        if not out.is_terminal:  # piped: full tensor names rather than an 80-column cut
+            out = Console(width=max(out.width, 140))
+        render_diff(result, out, top=args.top, every=args.all)
+    return 0 if result.same else 1
 
 
 def cmd_sample(args) -> int:

@@ -66,3 +66,66 @@ def render_layout(layout: CheckpointLayout, console: Console, params: bool = Fal
             console.print(f"  [{color}]{p.code}[/] {p.path or ''}: {p.message}", highlight=False)
     else:
         console.print("[green]no problems found[/]")
+
+
+def _g(x) -> str:
+    """A statistic for a table cell (``-`` when not computed)."""
+    if x is None:
+        return "-"
+    return f"{x:.4g}"
+
+
+def render_diff(result, console: Console, top: int = 10, every: bool = False) -> None:
+    """Print a :class:`core.diff.DiffResult`: the two sides, counts per status, the tensors
+    that differ in kind (shape, dtype, one side only), the largest changes, changes by layer
+    (with a bar of relative change), and a one-line verdict."""
+    console.print(f"A: {result.a} ({result.format_a})\nB: {result.b} ({result.format_b})",
+                  highlight=False)
+    counts = result.counts()
+    total = len(result.tensors)
+    console.print(", ".join(f"{n} {s.replace('_', ' ')}" for s, n in counts.items() if n)
+                  + f" (of {total} tensors)", highlight=False)
+    odd = [t for t in result.tensors if t.status in ("shape", "dtype", "only_a", "only_b")]
+    if odd:
+        tab = Table(title="tensors that differ in kind")
+        tab.add_column("tensor", no_wrap=True, min_width=max(len(t.name) for t in odd))
+        for c in ("difference", "A", "B"):
+            tab.add_column(c)
+        for t in odd:
+            a = f"{t.dtype_a} {list(t.shape_a)}" if t.shape_a is not None else "-"
+            b = f"{t.dtype_b} {list(t.shape_b)}" if t.shape_b is not None else "-"
+            tab.add_row(t.name, t.status.replace("_", " "), a, b)
+        console.print(tab)
+    rows = result.tensors if every else result.largest(top)
+    if rows:
+        tab = Table(title="every tensor" if every else "largest changes")
+        tab.add_column("tensor", no_wrap=True, min_width=max(len(t.name) for t in rows))
+        for c in ("status", "max |B-A|", "||B-A||/||A||", "cosine", "differ"):
+            tab.add_column(c, no_wrap=True, justify="left" if c == "status" else "right")
+        for t in rows:
+            n = 1
+            for s in (t.shape_a or ()):
+                n *= s
+            tab.add_row(t.name, t.status, _g(t.max_abs), _g(t.rel_change), _g(t.cosine),
+                        "-" if t.differing is None else f"{t.differing}/{n}")
+        console.print(tab)
+    layers = result.by_layer()
+    if not result.same and len(layers) > 1:
+        peak = max((lc.rel_change for lc in layers if lc.rel_change is not None
+                    and lc.rel_change == lc.rel_change and lc.rel_change != float("inf")),
+                   default=0.0)
+        tab = Table("layer", "tensors", "changed", "||B-A||/||A||", "", title="change by layer")
+        for lc in layers:
+            r = lc.rel_change
+            bar = ("#" * max(1, round(20 * r / peak)) if r and peak and r != float("inf")
+                   else "")
+            tab.add_row(lc.layer, str(lc.tensors), str(lc.changed), _g(r), bar)
+        console.print(tab)
+    tol = f" within atol={result.atol:g} rtol={result.rtol:g}" if (result.atol or
+                                                                   result.rtol) else " bit for bit"
+    if result.same:
+        console.print(f"[green]identical[/]{tol}: every one of the {total} tensors",
+                      highlight=False)
+    else:
+        console.print(f"[red]different[/]: {total - counts['identical'] - counts['close']} of "
+                      f"{total} tensors differ", highlight=False)

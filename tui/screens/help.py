@@ -26,6 +26,7 @@ KEYS: list[tuple[str, list[tuple[str, str]]]] = [
         ("s", "statistics of the selected tensor, read from the shards"),
         ("n", "group the tree by the checkpoint's own names (Megatron)"),
         ("tab", "next panel (shift+tab: previous); click a tab to switch it"),
+        ("c", "compare with a second checkpoint: each tensor's change, by layer"),
         ("m", "merge into a Hugging Face folder"),
         ("escape", "back to the browser"),
     ]),

@@ -60,6 +60,8 @@ class InspectorScreen(Screen):
                 tooltip="Show how the selected tensor is cut: a block per stored piece"),
         Binding("n", "names", "Source names", id="names",
                 tooltip="Group the tree by the checkpoint's own (e.g. Megatron) names"),
+        Binding("c", "compare", "Compare", id="compare", show=False,
+                tooltip="Compare with a second checkpoint (each tensor's change)"),
         Binding("escape", "back", "Back", id="back", tooltip="Back to the browser"),
     ]
 
@@ -247,6 +249,15 @@ class InspectorScreen(Screen):
     def _stats_computed(self, msg: StatsComputed) -> None:
         if msg.name == self.stats_for:  # late numbers of a tensor no longer selected: dropped
             self.query_one("#stats", Static).update(msg.text)
+
+    def action_compare(self) -> None:
+        from tui.screens.compare import ComparePathScreen, CompareScreen
+
+        def start(path: str | None) -> None:
+            if path:
+                self.app.push_screen(CompareScreen(self.ckpt.path, path))
+
+        self.app.push_screen(ComparePathScreen(), start)
 
     def action_merge(self) -> None:
         from tui.screens.merge_options import MergeOptionsScreen

@@ -1,0 +1,211 @@
+"""``shardscope diff A B`` on real checkpoints: a run against its own reference, a sharded run
+against its merged output, two steps of real training, a LoRA fold against its base, damaged
+copies (one tensor changed, one dropped, one cast), a Megatron run against its Hugging Face
+reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, copy_checkpoint
+from fixtures_diff import FROZEN
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tui.cli", "diff", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def diff_json(*args) -> tuple[int, dict]:
+    r = run(*args, "--json")
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def by_name(d: dict) -> dict[str, dict]:
+    return {t["name"]: t for t in d["tensors"]}
+
+
+def test_a_run_against_its_own_reference_is_identical(fixtures_root):
+    code, d = diff_json(fixtures_root / "w2-qwen2-f32", fixtures_root / "w2-qwen2-f32.reference")
+    assert code == 0 and d["same"]
+    assert d["format_a"] == "fsdp" and d["format_b"] == "hf"
+    assert d["counts"]["identical"] == len(d["tensors"]) > 20
+    from safetensors import safe_open
+
+    with safe_open(str(fixtures_root / "w2-qwen2-f32.reference" / "model.safetensors"),
+                   "pt") as f:
+        assert set(by_name(d)) == set(f.keys())
+    assert all(lay["rel_change"] == 0.0 for lay in d["layers"])
+    r = run(fixtures_root / "w2-qwen2-f32", fixtures_root / "w2-qwen2-f32.reference")
+    assert r.returncode == 0 and "identical bit for bit" in r.stdout
+
+
+def test_a_sharded_run_against_its_merged_output(fixtures_root, tmp_path):
+    from core import MergeOptions, detect, plan_merge, run_merge
+
+    src = fixtures_root / "w3-llama-f32"
+    run_merge(plan_merge(detect(src), MergeOptions(output=str(tmp_path / "m"), workers=1)))
+    code, d = diff_json(src, tmp_path / "m")
+    assert code == 0 and d["counts"]["identical"] == len(d["tensors"])
+    # and against another model: every shared tensor reported, exit 1
+    code, d = diff_json(src, fixtures_root / "w2-qwen2-f32.reference")
+    assert code == 1 and not d["same"]
+
+
+def test_two_steps_of_training_change_every_trained_tensor_and_no_frozen_one(training_root):
+    code, d = diff_json(training_root / "step1", training_root / "step2")
+    assert code == 1
+    tensors = by_name(d)
+    frozen = {n for n in tensors if n.startswith(FROZEN)}
+    assert frozen and len(frozen) < len(tensors)
+    for name, t in tensors.items():
+        if name in frozen:
+            assert t["status"] == "identical", name
+        else:
+            assert t["status"] == "changed", name
+            assert t["max_abs"] > 0 and t["rel_change"] > 0 and t["differing"] > 0
+            assert -1.0 <= t["cosine"] <= 1.0
+    layers = {lay["layer"]: lay for lay in d["layers"]}
+    assert layers["model.layers.0"]["changed"] == 0
+    assert layers["model.layers.0"]["rel_change"] == 0.0
+    assert layers["model.layers.1"]["rel_change"] > 0
+    assert d["largest"] and all(n not in frozen for n in d["largest"])
+    r = run(training_root / "step1", training_root / "step2")
+    assert r.returncode == 1 and "change by layer" in r.stdout
+    assert "model.layers.1" in r.stdout
+
+
+def test_a_lora_fold_against_its_base(fixtures_root):
+    lora = fixtures_root / "w2-lora-qv"
+    code, d = diff_json(fixtures_root / "w2-lora-qv.base", lora, "--lora", "fold")
+    assert code == 1
+    changed = {n for n, t in by_name(d).items() if t["status"] != "identical"}
+    assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed)
+    assert all(t["status"] == "changed" for n, t in by_name(d).items() if n in changed)
+    # peft's merge_and_unload is the same model, bit for bit
+    code, d = diff_json(fixtures_root / "w2-lora-qv.fold", lora, "--lora", "fold")
+    assert code == 0 and d["same"]
+    # the base alone equals the base
+    code, d = diff_json(fixtures_root / "w2-lora-qv.base", lora, "--lora", "base")
+    assert code == 0
+    # without a choice: a usage error naming LoRA, not a crash
+    r = run(fixtures_root / "w2-lora-qv.base", lora)
+    assert r.returncode == 2 and "LoRA" in r.stderr and "Traceback" not in r.stderr
+
+
+def _damaged(fixtures_root, tmp_path, change):
+    """A copy of ``w2-qwen2-f32.reference`` whose model.safetensors is re-saved by
+    safetensors after ``change(tensors)``."""
+    from safetensors.torch import load_file, save_file
+
+    out = copy_checkpoint(fixtures_root / "w2-qwen2-f32.reference", tmp_path / "damaged")
+    f = out / "model.safetensors"
+    tensors = load_file(str(f))
+    change(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return out
+
+
+def test_a_damaged_copy_names_the_changed_tensor(fixtures_root, tmp_path):
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    def bump(t):
+        t[name] = t[name].clone()
+        t[name][3, 5] += 0.25
+
+    out = _damaged(fixtures_root, tmp_path, bump)
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    code, d = diff_json(ref, out)
+    assert code == 1
+    bad = [t for t in d["tensors"] if t["status"] != "identical"]
+    assert [t["name"] for t in bad] == [name]
+    assert bad[0]["differing"] == 1 and bad[0]["max_abs"] == pytest.approx(0.25, rel=1e-5)
+    assert d["largest"] == [name]
+    r = run(ref, out)
+    assert r.returncode == 1 and name in r.stdout and "1 of" in r.stdout
+    # within a tolerance it is close, exit 0
+    code, d = diff_json(ref, out, "--atol", "0.3")
+    assert code == 0 and by_name(d)[name]["status"] == "close"
+    # the sharded run against the damaged copy names it too
+    code, d = diff_json(fixtures_root / "w2-qwen2-f32", out)
+    assert code == 1 and [t["name"] for t in d["tensors"] if t["status"] != "identical"] == [name]
+
+
+def test_missing_cast_and_reshaped_tensors(fixtures_root, tmp_path):
+    gone, cast, shaped = ("model.layers.0.mlp.up_proj.weight", "model.norm.weight",
+                          "model.layers.1.self_attn.o_proj.weight")
+
+    def damage(t):
+        import torch
+
+        del t[gone]
+        t[cast] = t[cast].to(torch.bfloat16)
+        t[shaped] = t[shaped].reshape(-1).contiguous()
+
+    out = _damaged(fixtures_root, tmp_path, damage)
+    code, d = diff_json(fixtures_root / "w2-qwen2-f32.reference", out)
+    t = by_name(d)
+    assert code == 1
+    assert t[gone]["status"] == "only_a" and t[gone]["shape_b"] is None
+    assert t[cast]["status"] == "dtype" and (t[cast]["dtype_a"], t[cast]["dtype_b"]) == (
+        "F32", "BF16")
+    assert t[cast]["cosine"] > 0.99
+    assert t[shaped]["status"] == "shape"
+    assert d["counts"]["only_a"] == 1 and d["counts"]["shape"] == 1 and d["counts"]["dtype"] == 1
+    r = run(fixtures_root / "w2-qwen2-f32.reference", out)
+    assert r.returncode == 1 and "only a" in r.stdout and gone in r.stdout
+
+
+def test_a_megatron_run_against_its_hugging_face_reference(megatron_root):
+    fam = megatron_root / "llama"
+    code, d = diff_json(fam / "tp2_pp1" / "torch_dist", fam / "reference")
+    assert code == 0 and d["format_a"] == "megatron-dist"
+    assert any(n.endswith("self_attn.q_proj.weight") for n in by_name(d))
+
+
+def test_bad_inputs_exit_3_and_bad_options_exit_2(fixtures_root, tmp_path):
+    r = run(tmp_path / "nothing", fixtures_root / "w2-qwen2-f32.reference")
+    assert r.returncode == 3 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = run(tmp_path / "empty", fixtures_root / "w2-qwen2-f32.reference")
+    assert r.returncode == 3 and "Traceback" not in r.stderr
+    r = run(fixtures_root / "w2-qwen2-f32", fixtures_root / "w2-qwen2-f32.reference",
+            "--atol", "-1")
+    assert r.returncode == 2
+
+
+def test_cancel_between_tensors_stops_with_exit_130(fixtures_root):
+    import threading
+
+    from core import MergeCancelled
+    from core.diff import diff_checkpoints
+
+    cancel, seen = threading.Event(), []
+
+    def progress(done, total, name):
+        seen.append(name)
+        cancel.set()  # as Ctrl-C does from the front end
+
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    with pytest.raises(MergeCancelled) as e:
+        diff_checkpoints(str(fixtures_root / "w2-qwen2-f32"), str(ref), on_progress=progress,
+                         cancel=cancel)
+    assert e.value.exit_code == 130 and len(seen) == 1
+
+
+def test_a_bf16_merge_against_its_fp32_source(fixtures_root, tmp_path):
+    from core import MergeOptions, detect, plan_merge, run_merge
+
+    src = fixtures_root / "w2-qwen2-f32"
+    run_merge(plan_merge(detect(src), MergeOptions(output=str(tmp_path / "m"), dtype="bf16",
+                                                   workers=1)))
+    code, d = diff_json(src, tmp_path / "m")
+    assert code == 1 and d["counts"]["dtype"] == len(d["tensors"])
+    assert all(t["dtype_b"] == "BF16" and t["cosine"] > 0.999 for t in d["tensors"])
+    code, d = diff_json(src, tmp_path / "m", "--dtype", "bf16")
+    assert code == 0 and d["counts"]["identical"] == len(d["tensors"])
