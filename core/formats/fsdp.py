@@ -145,6 +145,13 @@ class _Builder:
         self.seen: set[tuple] = set()
         self.mesh_cache: dict[int, tuple] = {}
         self.flat_params: set[str] = set()
+        #: what the last fully parsed rank file held, for :class:`_Template` (None: not
+        #: reusable, e.g. ShardedTensors, whose offsets differ per rank inside the pickle)
+        self.recording: list | None = None
+        self.box_cache: dict[tuple, tuple] = {}
+        #: cached ``_hash`` values the recorded DTensorSpecs and DeviceMesh pickle (they
+        #: hash the coordinate, so they differ between rank files)
+        self.hashes: set = set()
 
     def tensor(self, name: str, shape, dtype: str, placement: str, path: str) -> TensorInfo:
         t = self.layout.tensors.get(name)
@@ -185,9 +192,42 @@ class _Builder:
                 self.skipped.add(name)
         self.keys_by_rank[rank] = keys
 
+    def replay(self, rank: int, path: str, archive) -> None:
+        """Add rank file ``path`` whose pickle equals a template's but for its mesh
+        coordinate (``archive.root`` is ``(template, coord)``; ``archive.data_offsets`` where each storage
+        starts in this file): the same tensors, dtypes,
+        global shapes, placements, local shapes and strides, so only each piece's offsets
+        (placement arithmetic, cached per distinct tensor layout and coordinate) and its
+        bytes' position in this file (``archive.storages``) are new."""
+        tpl, coord = archive.root
+        if coord is None:
+            coord = tuple(_unravel(rank, tpl.mesh_shape))
+        self.keys_by_rank[rank] = tpl.keys
+        where, boxes, add = archive.data_offsets, self.box_cache, self.add
+        for t, key, soff, itemsize, shape, stride, dtype, box in tpl.entries:
+            byte_offset = where[key] + soff * itemsize
+            if box is None:
+                add(t, Piece(path, byte_offset, dtype, shape, stride, (0,) * len(shape), rank))
+                continue
+            got = boxes.get((box[0], coord))
+            if got is None:
+                _, gshape, mesh_shape, placements, _ = box
+                got = boxes[(box[0], coord)] = local_box(gshape, mesh_shape, coord, placements)
+            offsets, want = got
+            if want != shape:
+                self.layout.problems.append(Problem(
+                    "shape-mismatch", f"{t.name}: local shard is {shape}, its placement "
+                    f"{box[4]} on mesh {box[2]} at {coord} gives {want}", path))
+                continue
+            if 0 in want:
+                continue  # an empty shard (Builder.add skips those too)
+            add(t, Piece(path, byte_offset, dtype, shape, stride, offsets, rank, coord))
+
     def _plain(self, rank, path, name, ref: TensorRef) -> None:
         t = self.tensor(name, ref.shape, ref.dtype, "plain", path)
         self._check_fits(name, ref, path)
+        if self.recording is not None:
+            self.recording.append((t, ref, None))
         self.add(t, Piece(path, ref.byte_offset, ref.dtype, ref.shape, ref.stride,
                           (0,) * len(ref.shape), rank))
 
@@ -241,10 +281,15 @@ class _Builder:
                 "dtype-mismatch", f"{name}: local shard is {local.dtype}, the DTensor says "
                 f"{dtype}", path))
             return
+        if self.recording is not None:
+            self.recording.append((t, local, (gshape, mesh_shape, tuple(placements), pstr)))
+            self.hashes.add(spec.get("_hash"))
+            self.hashes.add(mesh.get("_hash") if isinstance(mesh, Record) else None)
         self.add(t, Piece(path, local.byte_offset, local.dtype, local.shape, local.stride,
                           offsets, rank, coord))
 
     def _sharded(self, rank, path, name, rec: Record) -> None:
+        self.recording = None
         st = rec.state
         if not (isinstance(st, tuple) and len(st) >= 2):
             raise BadCheckpointError(f"{name}: ShardedTensor without state", path)
@@ -268,6 +313,195 @@ class _Builder:
             self._check_fits(name, ref, path)
             self.add(t, Piece(path, ref.byte_offset, ref.dtype, ref.shape, ref.stride,
                               offsets, rank))
+
+
+def _key_ops(key: str) -> tuple[bytes, bytes]:
+    """The pickle ops writing string ``key``: BINUNICODE and SHORT_BINUNICODE."""
+    raw = key.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw, b"\x8c" + bytes([len(raw)]) + raw
+
+
+_COORD_KEYS = _key_ops("_coordinate_on_dim")
+#: torch's DeviceMesh also pickles the global rank that saved it (``_rank``) and the names of
+#: this rank's process groups (``_dim_group_names``, one per mesh dim: HSDP's replica groups
+#: differ between ranks); neither is used here
+_RANK_KEYS = _key_ops("_rank")
+_GROUP_KEYS = _key_ops("_dim_group_names")
+_STR_ARGS = {"BINUNICODE": 5, "SHORT_BINUNICODE": 2}
+_INT_ARGS = {"BININT1": (1, False), "BININT2": (2, False), "BININT": (4, True)}
+_COORD_VALUE_OPS = frozenset({"BINPUT", "LONG_BINPUT", "MEMOIZE", "EMPTY_LIST", "MARK",
+                              "APPEND", "APPENDS", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2",
+                              "TUPLE3", *_INT_ARGS, *_STR_ARGS})
+
+
+def _coord_spans(data: bytes, coord, keys=_COORD_KEYS) -> list[tuple[int, int, bool]] | None:
+    """Where the pickle writes the mesh coordinate's integers: ``[(byte position, width,
+    signed)]``, one per mesh dim, or None when it cannot be told for sure (the key
+    ``_coordinate_on_dim`` of torch's DeviceMesh state absent or written twice, or its value
+    not a plain list/tuple of small ints). ``[]`` when the mesh records no coordinate (older
+    releases: it comes from the rank)."""
+    import io
+    import pickletools
+
+    hits = [(k, data.find(k)) for k in keys]
+    hits = [(k, i) for k, i in hits if i >= 0]
+    if coord is None:
+        return [] if not hits else None
+    if len(hits) != 1 or data.find(hits[0][0], hits[0][1] + 1) >= 0:
+        return None
+    start = hits[0][1] + len(hits[0][0])
+    spans = []
+    try:
+        window = io.BytesIO(data[start:start + 64 + 64 * len(coord)])
+        for op, arg, pos in pickletools.genops(window):
+            if op.name not in _COORD_VALUE_OPS or len(spans) == len(coord):
+                break
+            if op.name in _INT_ARGS:
+                width, signed = _INT_ARGS[op.name]
+                spans.append((start + pos + 1, width, signed, arg))
+            elif op.name in _STR_ARGS:
+                spans.append((start + pos + _STR_ARGS[op.name], len(arg.encode()), False, arg))
+    except ValueError:
+        return None
+    if [a for *_, a in spans] != list(coord):
+        return None
+    return [(p, w, sg) for p, w, sg, _ in spans]
+
+
+def _hash_spans(data: bytes, hashes) -> list[tuple[int, int, bool]] | None:
+    """Where the pickle writes the given cached hashes (``DTensorSpec._hash``,
+    ``DeviceMesh._hash``: they hash the mesh coordinate, so every rank file has its own): each
+    is pickled as LONG1 with 8 bytes of a 64-bit hash, a pattern that occurs nowhere else by
+    chance; every occurrence of it is one. None when a hash is written otherwise (a small
+    value), so that its place cannot be told for sure."""
+    import pickle
+
+    spans = []
+    for h in hashes:
+        if h is None:
+            continue
+        if not isinstance(h, int):
+            return None
+        enc = pickle.encode_long(h)
+        if len(enc) < 7:
+            return None
+        pat = b"\x8a" + bytes([len(enc)]) + enc
+        at = data.find(pat)
+        if at < 0:
+            return None
+        while at >= 0:
+            spans.append((at + 2, len(enc), True))
+            at = data.find(pat, at + len(pat))
+    return spans
+
+
+class _Template:
+    """A fully parsed rank file of the run, for recognising the others: rank files of one
+    FSDP2 run pickle the same state dict, byte for byte, but for the mesh coordinate (and
+    local shapes where the even-chunk rule leaves a rank fewer rows: a different pickle,
+    hence another template)."""
+
+    def __init__(self, data: bytes, spans, other_spans, coord, mesh_shape, keys, recording,
+                 storages):
+        import numpy as np
+
+        self.data = np.frombuffer(data, dtype=np.uint8)
+        self.spans = spans
+        self.coord = coord
+        self.mesh_shape = mesh_shape
+        self.keys = frozenset(keys)
+        mask = np.zeros(len(data), dtype=bool)
+        for p, w, _ in (*spans, *other_spans):
+            mask[p:p + w] = True
+        self.mask = mask
+        from ..dtypes import ITEMSIZE
+        from .torchsave import StorageSpecs
+
+        keys = list(storages)
+        self.specs = StorageSpecs(keys, np.asarray(
+            [storages[k].numel * ITEMSIZE[storages[k].dtype] for k in keys], dtype=np.int64))
+
+        # tensors with the same global shape and placements share their placement arithmetic
+        layouts: dict[tuple, tuple] = {}
+        self.entries = []
+        for t, ref, box in recording:
+            if box is not None:
+                gshape, mshape, placements, pstr = box
+                key = (gshape, mshape, tuple((p.name, p.get("dim")) for p in placements))
+                box = layouts.setdefault(key, (key, gshape, mshape, placements, pstr))
+            self.entries.append((t, ref.storage.key, ref.storage_offset, ITEMSIZE[ref.dtype],
+                                 ref.shape, ref.stride, ref.dtype, box))
+
+    def match(self, data: bytes):
+        """``(self, coordinate)`` when ``data`` is this pickle but for the coordinate."""
+        import numpy as np
+
+        if len(data) != len(self.data):
+            return None
+        diff = np.frombuffer(data, dtype=np.uint8) != self.data
+        if diff.any() and bool((diff & ~self.mask).any()):
+            return None
+        if not self.spans:
+            return self, None
+        coord = tuple(int.from_bytes(data[p:p + w], "little", signed=sg)
+                      for p, w, sg in self.spans)
+        return self, coord
+
+
+class _Templates:
+    """The templates seen so far in one folder (a few: one per distinct local-shape set and
+    coordinate width)."""
+
+    LIMIT = 16
+
+    def __init__(self):
+        self.items: list[_Template] = []
+        self.last_data: bytes | None = None
+
+    def reuse(self, data: bytes):
+        self.last_data = data
+        for i, tpl in enumerate(self.items):
+            got = tpl.match(data)
+            if got is not None:
+                if i:  # ranks come in runs of one template: try the last one first
+                    self.items.insert(0, self.items.pop(i))
+                return got, tpl.specs
+        return None
+
+    def learn(self, b: "_Builder", archive, rank: int) -> None:
+        """Make a template of the rank file just parsed fully, when it added no problem and
+        its coordinate can be located in its pickle."""
+        if b.recording is None or len(self.items) >= self.LIMIT or self.last_data is None:
+            return
+        if not isinstance(archive.root, dict) or b.skipped or b.flat_params:
+            return
+        meshes = {id(m) for _, m in b.mesh_cache.values()}
+        coords = {info[2] for info, _ in b.mesh_cache.values()}
+        if len(meshes) > 1 or len(coords) > 1 or len(b.keys_by_rank[rank]) != len(archive.root):
+            return
+        coord = next(iter(coords)) if coords else None
+        mesh_shape = next(iter(b.mesh_cache.values()))[0][0] if b.mesh_cache else ()
+        spans = _coord_spans(self.last_data, coord)
+        if spans is None:
+            return
+        mesh_rank = next(iter(b.mesh_cache.values()))[1].get("_rank") if b.mesh_cache else None
+        other = _coord_spans(self.last_data, (mesh_rank,) if isinstance(mesh_rank, int) else None,
+                             _RANK_KEYS)
+        groups = next(iter(b.mesh_cache.values()))[1].get("_dim_group_names") \
+            if b.mesh_cache else None
+        if groups is not None:
+            names = _coord_spans(self.last_data, tuple(groups), _GROUP_KEYS) \
+                if all(isinstance(g, str) for g in groups) else None
+            if names is None or other is None:
+                return
+            other = other + names
+        if other is None:
+            return
+        hashes = _hash_spans(self.last_data, b.hashes)
+        if hashes is None:
+            return
+        self.items.append(_Template(self.last_data, spans, other + hashes, coord, mesh_shape,
+                                    b.keys_by_rank[rank], b.recording, archive.storages))
 
 
 def _unravel(rank: int, shape: tuple[int, ...]) -> list[int]:
@@ -339,6 +573,7 @@ def read(path: str) -> CheckpointLayout:
                             "file names")
     layout.world_size = world
     b = _Builder(layout)
+    templates = _Templates()
     missing = [r for r in range(min(world, MAX_LISTED)) if r not in files]
     n_missing = world - sum(1 for r in files if r < world)
     for r in sorted(set(missing) | {r for r in files if r < world}):
@@ -354,7 +589,18 @@ def read(path: str) -> CheckpointLayout:
             continue
         try:
             b.mesh_cache.clear()
-            b.add_rank(r, fpath, read_torch_archive(fpath).root)
+            templates.last_data = None
+            archive = read_torch_archive(fpath, reuse=templates.reuse)
+            if isinstance(archive.root, tuple):  # recognised: same structure as a template
+                b.replay(r, fpath, archive)
+                continue
+            n_problems = len(layout.problems)
+            b.recording = []
+            b.hashes = set()
+            b.add_rank(r, fpath, archive.root)
+            if len(layout.problems) == n_problems:
+                templates.learn(b, archive, r)
+            b.recording = None
         except BadCheckpointError as e:
             sf.status = "unreadable"
             layout.problems.append(problem_for(e, fpath))
