@@ -6,8 +6,11 @@ Writes (once, cached) a real FSDP2 checkpoint of about ``--gb`` GB of fp32 weigh
 save of the same model (torch.distributed, gloo, CPU; each rank materialises only its shard),
 then times each job ``--reps`` times and prints one table: median wall time, its ratio to the
 copy floor, peak RSS of the job's process tree, and that peak over the model size. Also times
-``shardscope inspect --json`` on a 64-rank checkpoint and the app's start to its first screen.
-Ratios within one run are what to compare: these machines are shared and noisy.
+``shardscope inspect --json`` and ``merge`` on FSDP2 checkpoints of an 80-layer model saved by
+``--many`` ranks (256 and 1024 by default; each rank written by its own process under torch's
+``fake`` backend), against ``torch.load`` of every rank file, and the app's start to its first
+screen. ``--no-peers`` leaves out the DCP, verl and Megatron peers (long). Ratios within one
+run are what to compare: these machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -75,6 +78,20 @@ with open(os.path.join(dst, "out.bin"), "wb") as out:
                 out.write(memoryview(buf)[:n])
 """
 
+# What a converter written with torch starts with for FSDP rank files: torch.load of each.
+FSDP_LOAD_PEER = r"""
+import glob, os, sys, torch
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "model_world_size_*_rank_*.pt"))):
+    torch.load(f, weights_only=False, map_location="cpu")
+"""
+
+# Reading the layout and planning, without writing: the merge's fixed cost.
+PLAN_ONLY = r"""
+import sys
+from core import MergeOptions, detect, plan_merge
+plan_merge(detect(sys.argv[1]), MergeOptions(output=sys.argv[1] + ".plan-only"))
+"""
+
 # What Megatron's converters (and most ad-hoc scripts) start with: torch.load of every rank
 # file, whole. Only the load is timed: a lower bound of such a peer's cost.
 MEGATRON_LOAD_PEER = r"""
@@ -125,6 +142,12 @@ def measure(cmd: list[str], out: Path | None, reps: int) -> dict:
     return {"wall": statistics.median(walls), "rss": max(peaks), "rc": rc}
 
 
+def detect_names(path: Path) -> list[str]:
+    from core import detect
+
+    return list(detect(path).tensors)
+
+
 def model_bytes(fsdp_dir: Path) -> int:
     from core import detect
 
@@ -157,11 +180,16 @@ def main() -> None:
     ap.add_argument("--verl-python", default=os.environ.get("VERL_PYTHON", sys.executable),
                     help="a Python that can import verl (its pins may clash with ours, so it "
                          "can live in its own virtual environment)")
+    ap.add_argument("--many", default="256,1024",
+                    help="rank counts of the 80-layer many-rank checkpoints ('' for none)")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="leave out the DCP, verl and peer jobs (the cast and many-rank rows "
+                         "stay)")
     ap.add_argument("--megatron", action="store_true",
                     help="also write (once) a ~1.9 GB Llama-shaped Megatron-LM checkpoint with "
                          "megatron-core (TP=2 x PP=2, torch_dist and legacy) and time its merge")
     args = ap.parse_args()
-    from bench.write_ckpt import write_fsdp_and_dcp, write_many_ranks
+    from bench.write_ckpt import write_fsdp_and_dcp, write_many_ranks_procs
 
     cache = Path(args.cache) / f"fsdp2-{args.gb:g}gb-w{args.world_size}"
     if not (cache / "complete").exists():
@@ -169,10 +197,13 @@ def main() -> None:
         print(f"writing the checkpoint to {cache} ...", file=sys.stderr)
         write_fsdp_and_dcp(cache, args.gb, args.world_size)
         (cache / "complete").write_text("ok")
-    many = Path(args.cache) / "fsdp2-64-ranks"
-    if not (many / "fsdp_config.json").exists():
-        print("writing the 64-rank checkpoint ...", file=sys.stderr)
-        write_many_ranks(many, 64)
+    many = {}
+    for w in [int(x) for x in args.many.split(",") if x.strip()]:
+        many[w] = Path(args.cache) / f"fsdp2-{w}-ranks-80l"
+        if not (many[w] / "fsdp_config.json").exists():
+            print(f"writing the {w}-rank checkpoint ...", file=sys.stderr)
+            shutil.rmtree(many[w], ignore_errors=True)
+            write_many_ranks_procs(many[w], w)
     work = Path(args.work or Path(args.cache) / "work")
     work.mkdir(parents=True, exist_ok=True)
     fsdp, dcp = cache / "fsdp", cache / "dcp"
@@ -191,20 +222,37 @@ def main() -> None:
         ("shardscope merge fsdp, --dtype bf16, 5GB shards",
          exe + ["merge", str(fsdp), "-o", str(out), "-q", "--dtype", "bf16"], out,
          5 * 10**9),
-        ("shardscope merge dcp, keep dtype, 5GB shards",
-         exe + ["merge", str(dcp), "-o", str(out), "-q"], out, 5 * 10**9),
-        ("peer: dcp_to_torch_save + safetensors save",
-         [sys.executable, "-c", DCP_PEER, str(dcp), str(out)], out, None),
+        ("shardscope merge fsdp, --dtype fp16, 5GB shards",
+         exe + ["merge", str(fsdp), "-o", str(out), "-q", "--dtype", "fp16"], out,
+         5 * 10**9),
     ]
-    has_verl = subprocess.run([args.verl_python, "-c", "import verl.model_merger"],
-                              capture_output=True).returncode == 0
+    if not args.no_peers:
+        jobs += [
+            ("shardscope merge dcp, keep dtype, 5GB shards",
+             exe + ["merge", str(dcp), "-o", str(out), "-q"], out, 5 * 10**9),
+            ("peer: dcp_to_torch_save + safetensors save",
+             [sys.executable, "-c", DCP_PEER, str(dcp), str(out)], out, None)]
+    has_verl = not args.no_peers and subprocess.run(
+        [args.verl_python, "-c", "import verl.model_merger"], capture_output=True).returncode == 0
     if has_verl:
         jobs.append(("peer: verl.model_merger (writes bf16)",
                      [args.verl_python, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                       "--local_dir", str(fsdp), "--target_dir", str(out)], out, None))
-    else:
+    elif not args.no_peers:
         print("verl is not importable (see --verl-python): its merger is not measured",
               file=sys.stderr)
+    for w, src in many.items():  # each group's ratios are to its own floor
+        jobs += [
+            (f"copy floor, {w} rank files (80 layers)",
+             [sys.executable, "-c", COPY_FLOOR, str(src), str(out)], out, None),
+            (f"peer floor: torch.load of every rank file ({w} ranks)",
+             [sys.executable, "-c", FSDP_LOAD_PEER, str(src)], None, None),
+            (f"shardscope inspect --json, {w} ranks", exe + ["inspect", str(src), "--json"],
+             None, None),
+            (f"shardscope read layout + plan only, {w} ranks",
+             [sys.executable, "-c", PLAN_ONLY, str(src)], None, None),
+            (f"shardscope merge, {w} ranks", exe + ["merge", str(src), "-o", str(out), "-q"],
+             out, 5 * 10**9)]
     if args.megatron:  # after the FSDP group: each group's ratios are to its own floor
         mg = _megatron_checkpoint(Path(args.cache))
         for kind in ("legacy", "torch_dist"):
@@ -221,14 +269,16 @@ def main() -> None:
     rows = []
     floor = None
     mg_size = model_bytes(mg / "tp2_pp2" / "legacy") if args.megatron else size
+    many_bytes = {w: model_bytes(src) for w, src in many.items()}
     for name, cmd, o, shard in jobs:
         print(f"running: {name}", file=sys.stderr)
         r = measure(cmd, o, args.reps)
         if name.startswith("copy floor"):  # each group's ratios are to its own floor
             floor = r["wall"]
         megatron = "megatron" in name or "mp_rank" in name
-        rows.append((name, r, shard, floor, mg_size if megatron else size))
-    inspect = measure(exe + ["inspect", str(many), "--json"], None, args.reps)
+        w = next((w for w in many if f"{w} rank" in name), None)
+        rows.append((name, r, shard, floor, mg_size if megatron else many_bytes[w] if w
+                     else size))
     app = measure([sys.executable, "-c", APP_START, str(fsdp)], None, args.reps)
     cpu = platform.processor() or platform.machine()
     print(f"\nmodel: {size / 1e9:.2f} GB of tensors, {shard_bytes / 1e9:.2f} GB in "
@@ -249,14 +299,27 @@ def main() -> None:
         print(f"\nshardscope --dtype bf16 against verl's merger (same output dtype): "
               f"{ours['wall'] / verl['wall']:.2f} x its wall time, "
               f"{ours['rss'] / verl['rss']:.2f} x its peak RSS")
-    load = next((r for n, r, *_ in rows if n.startswith("peer floor: torch.load")), None)
+    load = next((r for n, r, *_ in rows if n.startswith("peer floor: torch.load of every mp_rank")),
+                None)
     if load is not None:
         ours = next(r for n, r, *_ in rows if n.startswith("shardscope merge megatron legacy"))
         print(f"\nshardscope's whole Megatron legacy merge against only torch.load-ing the same "
               f"files: {ours['wall'] / load['wall']:.2f} x its wall time, "
               f"{ours['rss'] / load['rss']:.2f} x its peak RSS")
-    print(f"\n`shardscope inspect --json`, 64 ranks: {inspect['wall']:.2f} s (whole process); "
-          f"app start to first screen: {app['wall']:.2f} s")
+    keep = next(r for n, r, *_ in rows if n.startswith("shardscope merge fsdp, keep dtype, 5GB"))
+    for n, r, *_ in rows:
+        if "--dtype" in n:
+            print(f"\n{n}: {r['wall'] / keep['wall']:.2f} x the keep-dtype merge")
+    for w in many:
+        get = {n: r for n, r, *_ in rows}
+        ins, plan = get[f"shardscope inspect --json, {w} ranks"], \
+            get[f"shardscope read layout + plan only, {w} ranks"]
+        load, merge = get[f"peer floor: torch.load of every rank file ({w} ranks)"], \
+            get[f"shardscope merge, {w} ranks"]
+        print(f"\n{w} ranks x {len(detect_names(many[w]))} tensors: inspect --json "
+              f"{ins['wall']:.2f} s = {ins['wall'] / load['wall']:.2f} x torch.load of every "
+              f"file; layout + plan {plan['wall']:.2f} s of the merge's {merge['wall']:.2f} s")
+    print(f"\napp start to first screen: {app['wall']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -121,3 +121,61 @@ def write_many_ranks(out: str | os.PathLike, world: int) -> None:
         torch.save(sd, out / f"model_world_size_{world}_rank_{rank}.pt")
         dist.destroy_process_group()
     (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
+
+
+def _many_config(layers: int):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen2", vocab_size=512, hidden_size=64, intermediate_size=96,
+                                num_hidden_layers=layers, num_attention_heads=4,
+                                num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def _fake_rank(rank: int, world: int, out: str, shapes: dict) -> None:
+    """One rank under the ``fake`` backend in a fresh (forked) process: its own DeviceMesh, so
+    the file records this rank's own mesh coordinate, as a real run's files do."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.manual_seed(rank)
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    sd = {}
+    for k, shape in shapes.items():
+        chunk = -(-shape[0] // world)
+        rows = max(0, min(chunk, shape[0] - rank * chunk))
+        local = torch.empty((rows, *shape[1:])).normal_(0, 0.02)
+        sd[k] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+                                   stride=torch.empty(shape, device="meta").stride())
+    torch.save(sd, Path(out) / f"model_world_size_{world}_rank_{rank}.pt")
+    dist.destroy_process_group()
+
+
+def write_many_ranks_procs(out: str | os.PathLike, world: int, layers: int = 80,
+                           workers: int = 2) -> None:
+    """``world`` rank files of an ``layers``-layer tiny-width Qwen2 model (hidden 64, untied:
+    12 tensors a layer + 3 = 963 tensors at 80 layers), each rank written by ITS OWN process
+    (forked from this one, ``fake`` process-group backend, ``workers`` at a time), each value a
+    ``DTensor`` of that rank's ``Shard(0)`` rows on a 1-D ``fsdp`` mesh, as FSDP2's
+    ``state_dict`` returns. The HF config goes to ``huggingface/``."""
+    import multiprocessing as mp
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _many_config(layers)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in
+                  AutoModelForCausalLM.from_config(config).state_dict().items()}
+    ctx = mp.get_context("fork")
+    with ctx.Pool(workers, maxtasksperchild=1) as pool:
+        pool.starmap(_fake_rank, [(r, world, str(out), shapes) for r in range(world)],
+                     chunksize=1)
+    config.architectures = ["Qwen2ForCausalLM"]
+    config.save_pretrained(out / "huggingface")
+    (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))

@@ -143,8 +143,8 @@ class _Sources:
         self.fds.clear()
 
 
-def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytearray:
-    buf = bytearray(n)
+def _pread_exact(fd: int, n: int, offset: int, path: str, buf=None) -> bytearray:
+    buf = bytearray(n) if buf is None else buf
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -154,6 +154,26 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytearray:
                                      "truncated", path)
         got += k
     return buf
+
+
+#: elements a streamed cast reads, converts and writes at a time (4 MiB of F32): buffers reused
+#: across steps cost no page faults, and memory stays bounded whatever the tensor's size
+CAST_STEP = 1 << 20
+
+
+def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -> None:
+    """Cast contiguous piece ``p`` to ``out_dtype`` (F32/F16/BF16, core/cast.py's exact
+    rules) from its file to ``dst`` at byte ``pos``, :data:`CAST_STEP` elements at a time."""
+    from .cast import cast_bytes
+
+    isz, osz = ITEMSIZE[p.dtype], ITEMSIZE[out_dtype]
+    fd, n = src.fd(p.file), p.numel
+    inbuf = bytearray(min(n, CAST_STEP) * isz)
+    for i in range(0, n, CAST_STEP):
+        k = min(CAST_STEP, n - i)
+        view = memoryview(inbuf)[:k * isz]
+        _pread_exact(fd, k * isz, p.byte_offset + i * isz, p.file, view)
+        _pwrite_all(dst, cast_bytes(view, p.dtype, out_dtype), pos + i * osz)
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -361,6 +381,8 @@ class _Writer:
                 out_bytes = p.numel * ITEMSIZE[t.dtype]
                 if p.dtype == t.dtype and p.contiguous and self.src.local(p.file):
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
+                elif p.contiguous and {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
+                    _cast_range(p, self.src, dst, pos, t.dtype)  # streamed: bounded memory
                 elif p.dtype == t.dtype or {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
                     # numpy, not torch: same bits, and no 2 s torch import for a cast or a
                     # strided piece (e.g. q/k rows permuted by core/native_names.py)

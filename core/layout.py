@@ -214,21 +214,35 @@ def coverage_problems(t: TensorInfo) -> list[Problem]:
     problems (empty when sound)."""
     problems: list[Problem] = []
     shape = t.piece_shape
+    ndim = len(shape)
+    sized = []  # (global offsets, shape, numel, piece) of the non-empty pieces
     for p in t.pieces:
-        if len(p.shape) != len(shape) or any(
-            o < 0 or o + s > g for o, s, g in zip(p.global_offsets, p.shape, shape)
-        ):
+        offs, ps = p.global_offsets, p.shape
+        if len(ps) != ndim:
+            bad = True
+        else:
+            bad = False
+            for o, s, g in zip(offs, ps, shape):
+                if o < 0 or o + s > g:
+                    bad = True
+                    break
+        if bad:
             problems.append(Problem("piece-out-of-bounds",
                                     f"{t.name}: piece {p.shape} at {p.global_offsets} lies outside "
                                     f"the global shape {shape}", p.file))
+        elif not problems:
+            n = math.prod(ps)
+            if n:
+                sized.append((offs, ps, n, p))
     if problems:
         return problems
-    pieces = [p for p in t.pieces if p.numel]
-    total = sum(p.numel for p in pieces)
+    total = sum(x[2] for x in sized)
     # Overlap: compare boxes pairwise; pieces sorted by offset so a 1-D split is checked in
     # linear time (only neighbours can overlap when every piece spans the other dims fully).
-    pieces.sort(key=lambda p: p.global_offsets)
-    split_dims = {d for p in pieces for d, (s, g) in enumerate(zip(p.shape, shape)) if s != g}
+    sized.sort(key=lambda x: x[0])
+    pieces = [x[3] for x in sized]
+    split_dims = {d for _, ps, _, _ in sized for d, (s, g) in enumerate(zip(ps, shape))
+                  if s != g}
     if len(split_dims) <= 1:
         pairs = zip(pieces, pieces[1:])
     else:

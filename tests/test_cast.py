@@ -37,3 +37,26 @@ def test_cast_matches_torch(src, dst):
     assert torch.equal(got[~nan].view(torch.uint8) if got.element_size() == 1 else
                        got[~nan].contiguous().view(torch.uint8),
                        want[~nan].contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dst", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("src", ["F32", "F16", "BF16"])
+def test_cast_in_chunks_matches_torch(src, dst, monkeypatch):
+    """Chunk boundaries and a short last chunk: the casts work CHUNK elements at a time
+    (made small here); ties, NaNs and denormals fall on both sides of every boundary."""
+    import core.cast
+
+    monkeypatch.setattr(core.cast, "CHUNK", 999)
+    g = torch.Generator().manual_seed(1)
+    hi = torch.randint(0, 1 << 16, (4000,), generator=g, dtype=torch.int32)
+    ties = ((hi << 16) | 0x8000).view(torch.float32)  # exactly halfway between two BF16s
+    ties16 = (torch.randint(-2**20, 2**20, (3000,), generator=g).float() * 2 ** -10)
+    x = torch.cat([values("F32"), ties, ties16, torch.full((7,), float("nan"))])
+    x = x[torch.randperm(len(x), generator=g)].to(torch_dtype(src))
+    want = x.to(torch_dtype(dst))
+    got = torch.from_numpy(cast_bytes(x.view(torch.uint8).numpy().tobytes(), src, dst)
+                           .view(np.uint8).copy()).view(torch_dtype(dst))
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].contiguous().view(torch.uint8),
+                       want[~nan].contiguous().view(torch.uint8))
