@@ -18,6 +18,12 @@ from .layout import CheckpointLayout, Piece, TensorInfo, coverage_problems
 
 ADAPTER_DIR = "lora_adapter"
 
+#: error codes that say the weights are not the whole model (frozen parameters a DeepSpeed run
+#: excluded at save time; a config the weights disagree with) rather than that files are broken:
+#: the architecture check lists what is off, and ``--no-strict`` (as
+#: ``load_state_dict(strict=False)``) writes the weights there are, the model card saying so
+STRICT_ONLY = frozenset({"frozen-excluded", "config-mismatch"})
+
 #: names of an output layer that ties to the input embedding (transformers' convention)
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
 
@@ -228,11 +234,15 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
         from .formats import detect  # the cut into Hugging Face tensors depends on the config
 
         layout = detect(layout.path, hf_config=options.hf_config)
-    if layout.errors:
-        first = layout.errors[0]
-        more = f" (and {len(layout.errors) - 1} more problems)" if len(layout.errors) > 1 else ""
-        raise BadCheckpointError(f"{first.message}{more}; run `shardscope inspect` for the "
-                                 "list", first.path or layout.path)
+    blocking = [p for p in layout.errors if options.strict or p.code not in STRICT_ONLY]
+    if blocking:
+        first = blocking[0]
+        more = f" (and {len(blocking) - 1} more problems)" if len(blocking) > 1 else ""
+        hint = ("; pass --no-strict to write the weights there are" if first.code in STRICT_ONLY
+                else "")
+        raise BadCheckpointError(f"{first.message}{more}{hint}; run `shardscope inspect` for "
+                                 "the list", first.path or layout.path)
+    waived = [f"--no-strict, written anyway: {p.message}" for p in layout.errors]
     if not layout.tensors:
         raise BadCheckpointError("the checkpoint holds no model tensors", layout.path)
     target = None
@@ -243,7 +253,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     max_shard = parse_size(options.max_shard_size)
     if max_shard <= 0:
         raise UsageError("--max-shard-size must be positive")
-    warnings: list[str] = []
+    warnings: list[str] = list(waived)
     config_dir = layout.config_dir
     copy = list(layout.extra_files)
     if options.hf_config:

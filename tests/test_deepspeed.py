@@ -219,6 +219,18 @@ def test_excluded_frozen_parameters_refused(ds_more, tmp_path, name):
     r = _merge(ds_more / name, tmp_path / "o")
     assert r.returncode == 3 and not (tmp_path / "o").exists()
     assert "exclude_frozen_parameters" in r.stderr and "Traceback" not in r.stderr
+    assert "--no-strict" in r.stderr
+    # an expert opts in: the trained weights are written, the card names what is missing
+    r = _merge(ds_more / name, tmp_path / "o", "--no-strict")
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "o" / "model.safetensors")
+    ref = load_file(ds_more / f"{name}.reference" / "model.safetensors")
+    assert got and set(got) < set(ref)
+    for k, v in got.items():
+        assert torch.equal(v, ref[k].to(v.dtype)), k
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert "Written with --no-strict" in card
+    assert all(f"`{k}`" in card for k in set(ref) - set(got))
 
 
 @pytest.mark.parametrize("name", ["pp2-w2", "pp3-w3-bf16"])
