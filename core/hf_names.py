@@ -15,8 +15,9 @@ saves (``PreTrainedModel.save_pretrained`` in transformers/modeling_utils.py):
   ``mlp.experts.gate_up_proj`` ``[E, 2F, H]`` become ``mlp.experts.{e}.gate_proj.weight`` and
   ``up_proj.weight`` ``[F, H]`` per expert (Qwen2-MoE family, Mixtral's ``w1``/``w3``/``w2``).
 
-This module runs transformers' own code for both steps — on a model built from the config on
-the meta device and on meta tensors, so no weight is read — and records, with a
+This module runs transformers' own code for both steps — on the model the judge builds from
+the config on the meta device (:func:`core.judge.meta_model`, one build per config and class
+for the whole merge) and on meta tensors, so no weight is read — and records, with a
 ``TorchDispatchMode``, which element of which in-memory tensor each saved tensor holds: each
 saved tensor is a union of *boxes*, each box a sub-box of one source tensor, its dims possibly
 reordered (a transpose). :func:`cut` turns a box into pieces of the stored slices (same bytes,
@@ -244,46 +245,6 @@ def _tracker():
     return Tracker()
 
 
-#: auto classes tried, in order, when ``architectures`` names no class transformers ships
-AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForSeq2SeqLM",
-                "AutoModelForTokenClassification", "AutoModelForSequenceClassification",
-                "AutoModel")
-
-
-def meta_model(config_dir: str, names=None):
-    """The model for ``config_dir``'s config.json, built on the meta device (no weights, no
-    download): the class named in ``architectures`` when transformers ships it (and holds any
-    of ``names``), else the first of :data:`AUTO_CLASSES` whose ``state_dict`` holds all
-    ``names`` (the checkpoint's in-memory tensor names), else the candidate holding most. Returns None when transformers does not know the model (remote code is
-    never run here)."""
-    import torch
-    import transformers
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(config_dir)
-    except Exception:  # noqa: BLE001 - unknown model type, remote code, bad config
-        return None
-    declared = [getattr(transformers, a, None) for a in (config.architectures or [])]
-    declared = [c for c in declared if c is not None]
-    classes = declared + [getattr(transformers, a) for a in AUTO_CLASSES]
-    names = set(names or ())
-    best, best_hits = None, -1
-    for cls in classes:
-        try:
-            with torch.device("meta"):
-                model = (cls.from_config(config) if cls.__name__.startswith("Auto")
-                         else cls._from_config(config))
-        except Exception:  # noqa: BLE001 - this class does not take this config
-            continue
-        hits = len(names & set(model.state_dict()))
-        if hits == len(names) or (cls in declared and hits):
-            return model  # the declared class is what save_pretrained ran on
-        if hits > best_hits:
-            best, best_hits = model, hits
-    return best
-
-
 def save_form(model, tensors: dict[str, tuple[tuple[int, ...], str]]) -> SaveForm:
     """What ``model.save_pretrained`` writes for the in-memory ``tensors`` (name -> (shape,
     safetensors dtype)), following transformers' own save path: ``_keys_to_ignore_on_save``,
@@ -420,29 +381,17 @@ def cut(box: Box, source: TensorInfo, resolve=None, out_shape=None) -> list[Piec
     return pieces
 
 
-_MODELS: dict = {}
-
-
-def _cached_model(config_dir: str, names):
-    """:func:`meta_model`, remembered per config folder and name set (the judge and the plan
-    ask for the same model)."""
-    import os
-
-    key = (os.path.realpath(config_dir), frozenset(names))
-    if key not in _MODELS:
-        _MODELS[key] = meta_model(config_dir, names)
-    return _MODELS[key]
-
-
-def saved_mapping(layout, mapping: dict[str, str], config_dir: str | None
+def saved_mapping(layout, mapping: dict[str, str], config_dir: str | None,
+                  trust_remote_code: bool = False
                   ) -> tuple[dict[str, "str | TensorInfo"], dict[str, str]]:
     """The plan's ``mapping`` (output name -> source tensor name in ``layout``, output names
     being the model's in-memory names) rewritten to what ``save_pretrained`` writes: renamed
     entries keep their source name, tied aliases are dropped, and a tensor cut from (or joined
     of) stored tensors maps to a new :class:`TensorInfo` whose pieces are sub-boxes of the
-    stored slices. Names the model (built from ``config_dir`` on the meta device) does not
-    hold in memory pass through unchanged; without a config or a model transformers knows,
-    ``mapping`` is returned as is.
+    stored slices. Names the model does not hold in memory pass through unchanged. The model
+    is the judge's (:func:`core.judge.meta_model`: the class the architecture check picks for
+    these names, built once on the meta device, remote code only with ``trust_remote_code``);
+    without a config or a model to build, ``mapping`` is returned as is.
 
     Returns (new mapping, saved name -> in-memory name for the renamed entries). Raises
     :class:`BadCheckpointError` when transformers' conversion cannot be written as slices, or
@@ -450,7 +399,9 @@ def saved_mapping(layout, mapping: dict[str, str], config_dir: str | None
     """
     if config_dir is None or not mapping:
         return mapping, {}
-    model = _cached_model(config_dir, mapping)
+    from .judge import meta_model
+
+    model = meta_model(mapping, config_dir, trust_remote_code=trust_remote_code)
     if model is None:
         return mapping, {}
     own = set(model.state_dict())

@@ -26,8 +26,10 @@ the actor's ``*ForCausalLM`` in config.json but holds a ``score`` head), that cl
 verdict, with a note.
 
 Public: :func:`check` (names/shapes/dtypes against a config), :func:`check_layout` (a
-checkpoint as ``inspect --check`` sees it), :class:`Verdict`. torch and transformers are
-imported inside functions only.
+checkpoint as ``inspect --check`` sees it), :class:`Verdict`, :func:`meta_model` (the model
+class chosen by these rules for a checkpoint's in-memory names, built once on the meta device
+and shared with :mod:`core.hf_names`, which traces save_pretrained's renames on it). torch and
+transformers are imported inside functions only.
 """
 
 from __future__ import annotations
@@ -162,7 +164,8 @@ class Skip(Exception):
 
 # -- building the expected tensors -------------------------------------------------------------
 
-_cache: dict[tuple, Any] = {}
+_cache: dict[tuple, Any] = {}  # (config key, class name or "") -> Expected/candidates or Skip
+_models: dict[tuple, Any] = {}  # (config key, class name) -> meta model or Skip
 _lock = threading.Lock()
 
 
@@ -265,20 +268,44 @@ def _remote_class(config_dir: str, raw: dict):
         raise Skip(f"the remote code {ref} cannot be loaded ({type(e).__name__}: {e})") from None
 
 
-def expected_tensors(cls, config) -> Expected:
-    """The tensors ``save_pretrained`` of a ``cls`` model built from ``config`` writes (see
-    the module docstring for the steps), built on the meta device: no memory for weights.
-    Raises Skip when transformers cannot build the model."""
+def build_model(cls, config):
+    """A ``cls`` model built from ``config`` on the meta device (no memory for weights, no
+    download), transformers' warnings silenced. Raises Skip when transformers cannot build it.
+    """
     import torch
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         with torch.device("meta"):
-            model = cls._from_config(config)
+            return cls._from_config(config)
+    except Exception as e:  # noqa: BLE001 - a class that cannot be built from this config
+        raise _cannot_build(cls.__name__, e) from None
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _cannot_build(name: str, e: Exception) -> Skip:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return Skip(f"transformers cannot build {name} from the config ({text})")
+
+
+def expected_tensors(cls, config, model=None) -> Expected:
+    """The tensors ``save_pretrained`` of a ``cls`` model built from ``config`` writes (see
+    the module docstring for the steps), built on the meta device: no memory for weights
+    (``model``: that model already built, e.g. by :func:`meta_model`).
+    Raises Skip when transformers cannot build the model."""
+    import torch
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    from transformers.utils import logging as hf_logging
+
+    if model is None:
+        model = build_model(cls, config)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
         full = model.state_dict()
         for key in model._keys_to_ignore_on_save or ():
             full.pop(key, None)
@@ -296,12 +323,8 @@ def expected_tensors(cls, config) -> Expected:
                                          for n in (name, source))
             if alias_saved and source_saved:
                 aliases.setdefault(alias_saved, source_saved)
-    except Skip:
-        raise
-    except Exception as e:  # noqa: BLE001 - a class that cannot be built from this config
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise Skip(f"transformers cannot build {cls.__name__} from the config ({text})") \
-            from None
+    except Exception as e:  # noqa: BLE001 - transformers fails on this model's state dict
+        raise _cannot_build(cls.__name__, e) from None
     finally:
         hf_logging.set_verbosity(level)
     tensors = {}
@@ -413,7 +436,8 @@ def check(tensors: Mapping[str, tuple[tuple[int, ...], str]], config_dir: str | 
     first: Verdict | None = None
     for i, (name, get_cls) in enumerate(classes):
         try:
-            exp = _expected_cached(key, name, lambda g=get_cls: _build_or_skip(g, config))
+            exp = _expected_cached(key, name, lambda n=name, g=get_cls: _build_or_skip(
+                key, n, g, config))
         except Skip as e:
             if i == 0:
                 return Verdict(skipped=str(e))
@@ -432,6 +456,42 @@ def check(tensors: Mapping[str, tuple[tuple[int, ...], str]], config_dir: str | 
     return first
 
 
+def meta_model(names, config_dir: str | None = None, config_fields: dict | None = None,
+               trust_remote_code: bool = False):
+    """The model, built on the meta device, that holds the in-memory tensor ``names`` (a
+    checkpoint's ``model.state_dict()`` names), chosen among the classes :func:`check` tries
+    (:func:`candidates`: the class config.json names, its remote code with
+    ``trust_remote_code``, then the heads of its ``model_type``): the first whose state dict
+    holds every name (a verl critic's ``score`` head picks ``*ForTokenClassification`` over
+    the ``*ForCausalLM`` config.json names), else the named class when it holds some (the
+    class save_pretrained ran on), else the one holding most. None when the check would be
+    skipped (no usable config, remote code not trusted) or no class can be built. The models
+    are the ones :func:`check` judges with, built once per config and class."""
+    if config_dir is None and not config_fields:
+        return None
+    try:
+        key = _config_key(config_dir, config_fields, trust_remote_code)
+        config, classes, named, _ = _expected_cached(key, "", lambda: _candidates_or_skip(
+            config_dir, config_fields, trust_remote_code))
+    except (Skip, OSError):
+        return None
+    names = set(names)
+    best, best_hits, fallback = None, -1, None
+    for name, get_cls in classes:
+        try:
+            model = _model_cached(key, name, get_cls, config)
+        except Skip:
+            continue
+        hits = len(names & set(model.state_dict()))
+        if hits == len(names):
+            return model
+        if name == named and hits:
+            fallback = model
+        if hits > best_hits:
+            best, best_hits = model, hits
+    return fallback if fallback is not None else best
+
+
 def _candidates_or_skip(config_dir, config_fields, trust):
     try:
         return candidates(config_dir, config_fields, trust)
@@ -439,11 +499,30 @@ def _candidates_or_skip(config_dir, config_fields, trust):
         return e
 
 
-def _build_or_skip(get_cls, config):
+def _build_or_skip(key, name, get_cls, config):
+    """The Expected of class ``name`` (or the Skip saying why not), from the cached model."""
     try:
-        return expected_tensors(get_cls(), config)
+        cls = get_cls()
+        return expected_tensors(cls, config, _model_cached(key, name, lambda: cls, config))
     except Skip as e:
         return e
+
+
+def _model_cached(key: tuple, name: str, get_cls, config):
+    """The meta model of class ``name`` for the config of ``key``, built once (a build that
+    failed is remembered as its Skip, raised again)."""
+    with _lock:
+        hit = _models.get((key, name))
+    if hit is None:
+        try:
+            hit = build_model(get_cls(), config)
+        except Skip as e:
+            hit = e
+        with _lock:
+            hit = _models.setdefault((key, name), hit)
+    if isinstance(hit, Skip):
+        raise hit
+    return hit
 
 
 def check_layout(layout, hf_config: str | None = None,
@@ -478,6 +557,7 @@ def tied_aliases(config_dir: str | None, trust_remote_code: bool = False) -> dic
         config, classes, _, _ = _expected_cached(key, "", lambda: _candidates_or_skip(
             config_dir, None, trust_remote_code))
         name, get_cls = classes[0]
-        return dict(_expected_cached(key, name, lambda: _build_or_skip(get_cls, config)).aliases)
+        return dict(_expected_cached(key, name, lambda: _build_or_skip(
+            key, name, get_cls, config)).aliases)
     except (Skip, OSError):
         return {}

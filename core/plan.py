@@ -291,7 +291,8 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
             mapping[out_name] = name
     # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
     mapping, memory_names = hf_names.saved_mapping(
-        layout if base_layout is None else base_layout, mapping, config_dir)
+        layout if base_layout is None else base_layout, mapping, config_dir,
+        options.trust_remote_code)
     verdict = _judge(layout, sources, mapping, config_dir, options)
     if verdict.skipped is None:
         for alias in verdict.aliases:
