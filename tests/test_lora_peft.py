@@ -197,9 +197,15 @@ def test_adapter_only_checkpoint_needs_the_base_model(lora_root, tmp_path):
 
 
 def test_adapter_only_refuses_a_base_model_of_other_shapes(lora_root, tmp_path):
-    """A base model whose weights do not fit the adapter is refused, naming the module."""
-    r = cli("merge", lora_root / "w2-lora-only", "-o", tmp_path / "o", "--lora", "fold",
+    """A base model whose weights do not fit the adapter is refused: by the architecture check
+    (the base does not fit the checkpoint's config), and, with --no-strict, by the fold,
+    naming the module."""
+    args = ("merge", lora_root / "w2-lora-only", "-o", tmp_path / "o", "--lora", "fold",
             "--base-model", lora_root / "w2-lora-embed.reference")
+    r = cli(*args)
+    assert r.returncode == 3 and "do not match the model" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+    r = cli(*args, "--no-strict")
     assert r.returncode == 3 and "self_attn" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()
 
@@ -234,7 +240,7 @@ async def test_merge_form_takes_the_base_model_of_an_adapter_only_checkpoint(lor
     async with app.run_test(size=(120, 50)) as pilot:
         await open_inspector(pilot, app)
         form = await open_form(pilot, app, tmp_path / "out")
-        await refused(pilot, form, "#base-model", "", "--base-model")
+        await refused(pilot, form, "#base-model", "", "the base model folder field")
         form.query_one("#base-model").value = str(lora_root / "w2-lora-only.reference")
         await run_to_end(pilot, app)
     exact(load_file(tmp_path / "out" / "model.safetensors"),
