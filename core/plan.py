@@ -289,19 +289,32 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
         out_name = name if mode is None else lora_mod.output_name(name, mode, adapter.name)
         if out_name is not None:
             mapping[out_name] = name
+    resolver = (layout if base_layout is None else base_layout).resolve_piece
+    if config_dir is not None:  # tied copies save_pretrained drops must be copies indeed
+        from .judge import tied_aliases
+
+        for alias, kept in tied_aliases(config_dir, options.trust_remote_code).items():
+            if alias in mapping and kept in mapping:
+                _check_tied(_source(mapping[alias], sources), _source(mapping[kept], sources),
+                            alias, kept, resolver, layout.path)
     # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
     mapping, memory_names = hf_names.saved_mapping(
         layout if base_layout is None else base_layout, mapping, config_dir,
         options.trust_remote_code)
     verdict = _judge(layout, sources, mapping, config_dir, options)
     if verdict.skipped is None:
-        for alias in verdict.aliases:
+        for alias, kept in verdict.aliases.items():
+            if kept in mapping:
+                _check_tied(_source(mapping[alias], sources), _source(mapping[kept], sources),
+                            alias, kept, resolver, layout.path)
             del mapping[alias]  # FSDP/DCP keep tied copies; save_pretrained writes one
     else:  # no model class to ask: transformers' usual pair, as the config says
         tied = (tie_word_embeddings(config_dir) if config_dir
                 else (layout.derived_config or {}).get("tie_word_embeddings"))
         for out_name, emb in TIED_PAIRS:
             if tied and out_name in mapping and emb in mapping:
+                _check_tied(_source(mapping[out_name], sources), _source(mapping[emb], sources),
+                            out_name, emb, resolver, layout.path)
                 del mapping[out_name]
             elif tied is False and out_name not in mapping and emb in mapping:
                 raise BadCheckpointError(f"the config says the embeddings are untied, but the "
@@ -392,6 +405,44 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
 
         plan.generated["README.md"] = model_card(plan, _version()).encode()
     return plan
+
+
+def _check_tied(alias: TensorInfo, kept: TensorInfo, alias_name: str, kept_name: str,
+                resolve, where: str) -> None:
+    """Refuse to drop ``alias`` as a tied copy of ``kept`` unless it holds the same values: a
+    config that says ``tie_word_embeddings`` over a checkpoint whose output layer was trained
+    apart would otherwise lose that layer silently. Pieces at the same bytes (FSDP/DCP saving
+    one shared storage) are equal without reading; others are read (``core.read``) and
+    compared bit for bit. Raises :class:`BadCheckpointError` naming both tensors."""
+    def placed(t):
+        ps = [p if resolve is None or p.numel == 0 else resolve(p) for p in t.pieces]
+        return sorted(ps, key=lambda p: p.global_offsets)
+
+    why = None
+    if alias.shape != kept.shape or alias.dtype != kept.dtype:
+        why = (f"it is {list(alias.shape)} {alias.dtype}, {kept_name} is {list(kept.shape)} "
+               f"{kept.dtype}")
+    else:
+        pa, pk = placed(alias), placed(kept)
+        key = [(p.file, p.byte_offset, p.shape, p.stride, p.global_offsets) for p in pa]
+        if alias.flat != kept.flat or key != [(p.file, p.byte_offset, p.shape, p.stride,
+                                               p.global_offsets) for p in pk]:
+            from .read import Sources, read_words
+
+            src = Sources()
+            try:
+                a = read_words(pa, alias.shape, alias.dtype, src, alias.flat)
+                k = read_words(pk, kept.shape, kept.dtype, src, kept.flat)
+            finally:
+                src.close()
+            differ = int((a != k).sum())
+            if differ:
+                why = f"{differ} of its {a.size} elements differ from {kept_name}"
+    if why is not None:
+        raise BadCheckpointError(
+            f"the config ties {alias_name} to {kept_name} (tie_word_embeddings), but the "
+            f"checkpoint's {alias_name} was trained apart: {why}; set tie_word_embeddings to "
+            "false in config.json (or --hf-config) to keep it", where)
 
 
 def _source(src: "str | TensorInfo", sources: dict[str, TensorInfo]) -> TensorInfo:

@@ -371,3 +371,27 @@ def test_empty_tensors_in_deep_inspect_and_verify(fixtures_root, tmp_path):
                         "--reference", str(fixtures_root / "w3-buffers.reference")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "all tensors match" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", ["w2-fsdp1", "w3-dcp"])
+def test_config_that_ties_a_separately_trained_lm_head_is_refused(fixtures_root, tmp_path, name):
+    """A config saying tie_word_embeddings over a checkpoint whose lm_head was trained apart:
+    dropping lm_head as a tied copy would lose it silently. Refused naming both tensors; the
+    truly tied fixtures still merge (tests/test_merge_exact.py)."""
+    ck = copy_checkpoint(fixtures_root / name, tmp_path / "ck")
+    ref = fixtures_root / f"{name}.reference"
+    cfg_dir = ck / "huggingface" if (ck / "huggingface").is_dir() else tmp_path / "cfg"
+    if not cfg_dir.exists():
+        import shutil
+
+        shutil.copytree(ref, cfg_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
+    cfg = json.loads((cfg_dir / "config.json").read_text())
+    assert cfg.get("tie_word_embeddings") is False
+    cfg["tie_word_embeddings"] = True
+    (cfg_dir / "config.json").write_text(json.dumps(cfg))
+    extra = [] if cfg_dir.parent == ck else ["--hf-config", str(cfg_dir)]
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+                        str(tmp_path / "o"), *extra], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 3, r.stderr
+    assert "lm_head.weight" in r.stderr and "trained apart" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
