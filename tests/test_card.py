@@ -44,4 +44,7 @@ def test_card_for_the_other_lora_modes(fixtures_root, tmp_path, mode, words):
 
 def test_card_without_lora_unchanged(fixtures_root, tmp_path):
     text, _ = card(fixtures_root / "w2-qwen2-f32", tmp_path)
-    assert text.rstrip().endswith("Every tensor was copied bit for bit from the shards.")
+    assert "\nEvery tensor was copied bit for bit from the shards.\n" in text
+    # then the architecture check's verdict, nothing about LoRA
+    assert text.rstrip().endswith("Architecture check: matches Qwen2ForCausalLM: 27/27 tensors.")
+    assert "LoRA adapter" not in text
