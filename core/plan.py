@@ -272,6 +272,12 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
         warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
                         "weights only and will not load with from_pretrained")
     lora, adapter = lora_choice(layout, options)
+    recorded = lora.adapters[adapter.name] if adapter is not None else None
+    if (options.lora_alpha is not None and recorded is not None
+            and recorded.lora_alpha is not None and recorded.lora_alpha != options.lora_alpha):
+        warnings.append(f"--lora-alpha {options.lora_alpha:g} overrides the lora_alpha "
+                        f"{recorded.lora_alpha:g} the checkpoint records "
+                        f"({recorded.alpha_source or 'its adapter metadata'})")
     mode = options.lora if lora is not None else None
     sources = dict(layout.tensors)
     base_layout = None

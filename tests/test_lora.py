@@ -115,8 +115,13 @@ def test_choice_is_required_and_alpha_never_invented(fixtures_root, tmp_path):
     assert r.returncode == 0, r.stderr
     exact(load_file(tmp_path / "c" / "model.safetensors"),
           load_file(fixtures_root / "w2-lora-qv.fold" / "model.safetensors"))
+    assert "overrides" not in r.stderr  # nothing recorded: nothing overridden
     r = cli("merge", str(ck), "-o", str(tmp_path / "d"), "--lora", "base")
     assert r.returncode == 0, r.stderr
+    # a recorded alpha replaced by --lora-alpha is said, never silent
+    r = cli("merge", str(fixtures_root / "w2-lora-qv"), "-o", str(tmp_path / "e"), "--lora",
+            "fold", "--lora-alpha", "32")
+    assert r.returncode == 0 and "--lora-alpha 32 overrides the lora_alpha 16" in r.stderr
 
 
 def test_dora_folds_like_peft(fixtures_root, tmp_path):
