@@ -347,3 +347,29 @@ async def test_compare_view_sorts_by_change_and_filters(fixtures_root):
         await wait_for(pilot, lambda: table.row_count == 2)
         await pilot.press("escape", "escape")
         await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+
+
+@pytest.mark.asyncio
+async def test_form_offers_no_strict_for_weights_that_do_not_match_the_model(fixtures_root,
+                                                                            tmp_path):
+    """w3-buffers holds three buffers Qwen2 does not define: the merge is refused, in the
+    form's words, and ticking the form's not-strict box writes it (as --no-strict)."""
+    src = fixtures_root / "w3-buffers"
+    app = make_app(str(src))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await open_inspector(pilot, app)
+        await open_form(pilot, app, tmp_path / "refused")
+        run = await run_to_end(pilot, app, tries=1200)
+        result = str(run.query_one("#result").render())
+        assert "do not match the model" in result and "--no-strict" not in result
+        assert "not strict" in result
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        form = await open_form(pilot, app, tmp_path / "written")
+        form.query_one("#no-strict").value = True
+        run = await run_to_end(pilot, app, tries=1200)
+        assert "the merge failed" not in str(run.query_one("#status").render())
+    assert (tmp_path / "written" / "model.safetensors").is_file()
+    assert not (tmp_path / "refused").exists()
+    card = (tmp_path / "written" / "README.md").read_text()
+    assert "Written with --no-strict" in card

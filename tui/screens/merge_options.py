@@ -21,10 +21,13 @@ DTYPES = [("keep (as trained)", "keep"), ("bf16", "bf16"), ("fp16", "fp16"), ("f
 
 
 OVERWRITE = "overwrite an existing output"
+#: the form's --no-strict (core.plan.MergeOptions.strict)
+NOSTRICT = "write even if the weights do not match the model (not strict)"
 
 #: the core's messages name command-line flags; the form names its own fields instead
 FORM_WORDS = [
     ("pass --overwrite to replace it", f"tick “{OVERWRITE}” to replace it"),
+    ("pass --no-strict", f"tick “{NOSTRICT}”"),
     ("--lora-adapter NAME", "the adapter field"),
     ("--lora-adapter", "adapter"),
     ("--lora-alpha", "lora_alpha"),
@@ -118,6 +121,7 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                     yield Input("", placeholder="my-org/my-model", id="hf-upload")
                     yield Checkbox("private", id="private")
                 yield Checkbox(OVERWRITE, id="overwrite")
+                yield Checkbox(NOSTRICT, id="no-strict")
             yield Static("", id="error")
             with Horizontal(id="buttons"):
                 yield Button("Merge", variant="primary", id="ok")
@@ -150,7 +154,8 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                 raise UsageError("has no config.json", hf_config)
         dtype = self.query_one("#dtype", Select).value
         opts = MergeOptions(output=out, dtype=None if dtype == "keep" else str(dtype),
-                            max_shard_size=size, overwrite=overwrite, hf_config=hf_config)
+                            max_shard_size=size, overwrite=overwrite, hf_config=hf_config,
+                            strict=not self.query_one("#no-strict", Checkbox).value)
         repo = self.query_one("#hf-upload", Input).value.strip()
         if repo:
             if repo.count("/") > 1 or repo.startswith("/") or " " in repo:

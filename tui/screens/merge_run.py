@@ -96,7 +96,9 @@ class MergeRunScreen(Screen):
         except MergeCancelled:
             self.post_message(MergeFailed("cancelled; nothing was written", True))
         except ShardscopeError as e:
-            self.post_message(MergeFailed(str(e), False))
+            from tui.screens.merge_options import form_words
+
+            self.post_message(MergeFailed(form_words(str(e)), False))
         except OSError as e:  # e.g. the output's disk is full or read-only
             self.post_message(MergeFailed(f"{e.filename or ''}: {e.strerror or e}", False))
 
