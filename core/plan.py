@@ -334,7 +334,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
                 + "; ".join(verdict.problems()) + f" ({verdict.matched}/{verdict.expected} "
                 "expected tensors match); pass --no-strict to write them anyway", layout.path)
         warnings.append(f"--no-strict, written anyway: {verdict.summary()}")
-    elif verdict.note:
+    elif verdict.note and verdict.named:  # the weights are another head than config.json names
         warnings.append(verdict.summary())
     source_bytes: dict[str, int] = {}
 
