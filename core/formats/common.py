@@ -36,6 +36,27 @@ def _hub_blobs(root: str) -> str | None:
     return None
 
 
+def read_weight_map(root: Path, index: str) -> tuple[dict[str, str], list[str]]:
+    """``weight_map`` of a Hugging Face index file (``model.safetensors.index.json`` or
+    ``pytorch_model.bin.index.json``, huggingface_hub's format) in ``root``, and the shard files
+    it names, sorted; each must lie inside ``root`` (:func:`contained`). Raises
+    :class:`BadCheckpointError` when the index is not JSON with a ``weight_map`` of strings."""
+    from ..errors import BadCheckpointError
+
+    try:
+        weight_map = json.loads((root / index).read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, OSError):
+        raise BadCheckpointError("index is not valid JSON with a weight_map",
+                                 str(root / index)) from None
+    shards = sorted(set(weight_map.values()))
+    for name in shards:
+        contained(root, name, "a weight_map entry", root / index)
+    return weight_map, shards
+
+
 def contained(root: str | os.PathLike, rel: str | os.PathLike, what: str,
               named_by: str | os.PathLike | None = None) -> Path:
     """``root / rel`` when it stays inside ``root`` once ``..`` and symbolic links are

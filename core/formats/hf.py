@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo
-from .common import attach_config, contained, problem_for, stat_file
+from .common import attach_config, problem_for, read_weight_map, stat_file
 from .safetensors_file import read_header
 
 INDEX = "model.safetensors.index.json"
@@ -35,17 +34,7 @@ def read(path: str) -> CheckpointLayout:
     root = Path(path)
     layout = CheckpointLayout(format="hf", path=str(root), world_size=1)
     if (root / INDEX).is_file():
-        try:
-            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(v, str) for v in weight_map.values()):
-                raise TypeError
-        except (ValueError, KeyError, TypeError, OSError):
-            raise BadCheckpointError("index is not valid JSON with a weight_map",
-                                     str(root / INDEX)) from None
-        shards = sorted(set(weight_map.values()))
-        for name in shards:
-            contained(root, name, "a weight_map entry", root / INDEX)
+        weight_map, shards = read_weight_map(root, INDEX)
     else:
         weight_map, shards = None, ["model.safetensors"]
     seen: dict[str, str] = {}

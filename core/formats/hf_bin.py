@@ -17,14 +17,13 @@ from their storages, nothing is ever loaded with ``torch.load(weights_only=False
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo
-from .common import attach_config, contained, problem_for, stat_file
+from .common import attach_config, contained, problem_for, read_weight_map, stat_file
 from .torchsave import Record, TensorRef, read_torch_archive
 
 WEIGHTS = "pytorch_model.bin"
@@ -96,17 +95,7 @@ def read(path: str) -> CheckpointLayout:
             raise BadCheckpointError(f"one shard of {int(m[2])}, without an index beside it: "
                                      f"the other shards' tensors would be missing", str(given))
     elif (root / INDEX).is_file():
-        try:
-            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(v, str) for v in weight_map.values()):
-                raise TypeError
-        except (ValueError, KeyError, TypeError, OSError):
-            raise BadCheckpointError("index is not valid JSON with a weight_map",
-                                     str(root / INDEX)) from None
-        shards = sorted(set(weight_map.values()))
-        for name in shards:
-            contained(root, name, "a weight_map entry", root / INDEX)
+        weight_map, shards = read_weight_map(root, INDEX)
     elif (root / WEIGHTS).is_file():
         shards = [WEIGHTS]
     elif len(_single_files(root)) == 1:
