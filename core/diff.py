@@ -201,8 +201,10 @@ def output_tensors(path: str, side: SideOptions | None = None):
 
         raise UsageError(f"holds LoRA ({layout.lora.summary()}): choose --lora fold (compare "
                          "the folded weights) or --lora base (the base weights alone)", path)
+    # strict=False: a diff compares what each side holds; a side that does not match its
+    # model class (a missing or reshaped tensor) is a difference to report, not a refusal
     opts = MergeOptions(output=str(path), hf_config=hf_config, model_card=False,
-                        dtype=side.dtype,
+                        dtype=side.dtype, strict=False,
                         lora=side.lora if has_lora else None,
                         lora_adapter=side.lora_adapter if has_lora else None,
                         lora_alpha=side.lora_alpha if has_lora else None,

@@ -167,12 +167,17 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -
     from .cast import cast_bytes
 
     isz, osz = ITEMSIZE[p.dtype], ITEMSIZE[out_dtype]
-    fd, n = src.fd(p.file), p.numel
+    n = p.numel
+    local = src.local(p.file)  # else bytes come through src.read (another node's file)
+    fd = src.fd(p.file) if local else None
     inbuf = bytearray(min(n, CAST_STEP) * isz)
     for i in range(0, n, CAST_STEP):
         k = min(CAST_STEP, n - i)
-        view = memoryview(inbuf)[:k * isz]
-        _pread_exact(fd, k * isz, p.byte_offset + i * isz, p.file, view)
+        if local:
+            view = memoryview(inbuf)[:k * isz]
+            _pread_exact(fd, k * isz, p.byte_offset + i * isz, p.file, view)
+        else:
+            view = memoryview(src.read(p.file, k * isz, p.byte_offset + i * isz))
         _pwrite_all(dst, cast_bytes(view, p.dtype, out_dtype), pos + i * osz)
 
 
