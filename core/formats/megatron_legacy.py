@@ -355,32 +355,15 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
                     elif rest in GROUPED:
                         grouped = GROUPED[rest]
                     name = f"decoder.layers.{offsets[(s, v)] + int(m[1])}.{rest}"
-                if grouped:
-                    if not ref.fits_storage():
+                if not grouped:
+                    rule = _split_rule(name, swiglu)
+                    if expert and etp == 1:
+                        rule = "replicated"
+                    elif expert and etp != tp:
                         layout.problems.append(Problem(
-                            "unreadable-file", f"{key}: view outside its storage", f))
-                        continue
-                    shape = tuple(ref.shape)
-                    if local_shapes.setdefault(name, shape) != shape:
-                        layout.problems.append(Problem(
-                            "shape-mismatch", f"{name}: {list(shape)} here, "
-                            f"{list(local_shapes[name])} on another rank", f))
-                        continue
-                    try:
-                        _add_grouped(mt, name, grouped, ref, sd, f, t, tp, etp, e, ep, swiglu,
-                                     args, (s, t, e) if ep > 1 else (s, t),
-                                     t + tp * (e + ep * s))
-                    except _Mismatch as m:
-                        layout.problems.append(m.problem)
-                    continue
-                rule = _split_rule(name, swiglu)
-                if expert and etp == 1:
-                    rule = "replicated"
-                elif expert and etp != tp:
-                    layout.problems.append(Problem(
-                        "unsupported-layout", f"expert tensor parallel size {etp} differs from "
-                        f"TP={tp}", f))
-                    return mt, replicas, ""
+                            "unsupported-layout", f"expert tensor parallel size {etp} differs "
+                            f"from TP={tp}", f))
+                        return mt, replicas, ""
                 if not ref.fits_storage():
                     layout.problems.append(Problem(
                         "unreadable-file", f"{key}: view outside its storage", f))
@@ -390,6 +373,14 @@ def _gather(files, offsets, tp: int, ep: int, swiglu: bool, args: dict, layout):
                     layout.problems.append(Problem(
                         "shape-mismatch", f"{name}: {list(shape)} here, "
                         f"{list(local_shapes[name])} on another rank", f))
+                    continue
+                if grouped:
+                    try:
+                        _add_grouped(mt, name, grouped, ref, sd, f, t, tp, etp, e, ep, swiglu,
+                                     args, (s, t, e) if ep > 1 else (s, t),
+                                     t + tp * (e + ep * s))
+                    except _Mismatch as m:
+                        layout.problems.append(m.problem)
                     continue
                 # replicas: a replicated tensor on every TP rank (and EP rank), or a dense
                 # weight's slice on every EP rank; the first copy is used, all are compared
