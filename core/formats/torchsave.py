@@ -328,91 +328,22 @@ class _Window(io.RawIOBase):
 
 @dataclass
 class TorchArchive:
-    """The unpickled root object of a ``torch.save`` archive with resolved storage offsets.
-    ``data_offsets`` (storage key: absolute byte offset) replaces ``storages`` when the
-    caller's ``reuse`` recognised the pickle."""
+    """The unpickled root object of a ``torch.save`` archive with resolved storage offsets."""
 
     path: str
     root: Any
     storages: dict[str, StorageRef]
-    data_offsets: dict[str, int] | None = None
 
 
-@dataclass
-class StorageSpecs:
-    """The storages a known pickle names, as arrays for checking a whole file at once:
-    ``keys`` (list of str) and ``nbytes`` (numpy int64, bytes each storage must hold)."""
-
-    keys: list
-    nbytes: Any
-
-
-def _locate_all(mm, base: int, size: int, infos: dict, prefix: str, specs: StorageSpecs,
-                path: str) -> dict[str, int]:
-    """Byte offset of every storage in ``specs`` with the checks of the one-by-one path
-    (entry present and stored, local header signature, bytes held and inside the file),
-    done with numpy over all local headers at once."""
-    import numpy as np
-
-    hoff, held, method = [], [], []
-    for key in specs.keys:
-        e = infos.get(f"{prefix}data/{key}")
-        if e is None:
-            raise BadCheckpointError(f"storage {key} is missing from the archive", path)
-        hoff.append(e[5])
-        held.append(e[3])
-        method.append(e[1])
-    if not specs.keys:
-        return {}
-    at = np.asarray(hoff, dtype=np.int64) + base
-    held_a = np.asarray(held, dtype=np.int64)
-
-    def first(bad) -> str:
-        return specs.keys[int(np.argmax(bad))]
-
-    if any(method):
-        raise BadCheckpointError(f"storage {first(np.asarray(method) != 0)} is compressed", path)
-    bad = at + 30 > size
-    if bad.any():
-        raise BadCheckpointError(f"storage {first(bad)}: bad zip local header", path)
-    raw = np.frombuffer(mm, dtype=np.uint8)
-    heads = raw[at[:, None] + np.arange(30)]  # a copy: the mapping is free to close
-    del raw
-    bad = (heads[:, :4] != np.frombuffer(b"PK\x03\x04", dtype=np.uint8)).any(axis=1)
-    if bad.any():
-        raise BadCheckpointError(f"storage {first(bad)}: bad zip local header", path)
-    lens = heads[:, 26:30].astype(np.int64)
-    data = at + 30 + lens[:, 0] + (lens[:, 1] << 8) + lens[:, 2] + (lens[:, 3] << 8)
-    bad = held_a < specs.nbytes
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise BadCheckpointError(f"storage {specs.keys[i]} holds {held[i]} bytes, "
-                                 f"{int(specs.nbytes[i])} expected", path)
-    bad = data + held_a > size
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise BadCheckpointError(f"storage {specs.keys[i]} ends at byte "
-                                 f"{int(data[i] + held_a[i])} but the file has {size}: "
-                                 "truncated", path)
-    return dict(zip(specs.keys, data.tolist()))
-
-
-def read_torch_archive(path: str, base: int = 0, length: int | None = None,
-                       reuse=None) -> TorchArchive:
+def read_torch_archive(path: str, base: int = 0, length: int | None = None) -> TorchArchive:
     """Read the pickle of the ``torch.save`` archive at ``path`` (or the ``length`` bytes at
     ``base`` of it, as DCP embeds one per chunk) and locate every storage's bytes.
-
-    ``reuse(pickle_bytes)``, when given, may return ``(root, StorageSpecs)`` for a pickle it
-    recognises (rank files of one run share their structure), sparing the unpickling; the
-    archive's directory, CRC-32 of the pickle, local headers and storage sizes are still
-    checked, and the result has ``data_offsets`` instead of ``storages``. Returns None to
-    unpickle as usual.
 
     Raises :class:`BadCheckpointError` when the file is not a readable archive or a storage
     entry is missing, compressed or short; :class:`UnsafeCheckpointError` for a forbidden global.
     """
     try:
-        return _read_archive(path, base, length, reuse)
+        return _read_archive(path, base, length)
     except (BadCheckpointError, UnsafeCheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged zip directory can raise anything
@@ -501,7 +432,7 @@ def _local_data_offset(mm, base: int, size: int, e: _Entry, what: str, path: str
     return at + 30 + n + m
 
 
-def _read_archive(path: str, base: int, length: int | None, reuse=None) -> TorchArchive:
+def _read_archive(path: str, base: int, length: int | None) -> TorchArchive:
     import mmap
     import zlib
 
@@ -558,23 +489,15 @@ def _read_archive(path: str, base: int, length: int | None, reuse=None) -> Torch
                 raise BadCheckpointError("big-endian archives are not supported", path)
             storages: dict[str, StorageRef] = {}
             data = stored(infos[pkl[0]])
-            reused = reuse(data) if reuse is not None else None
-            if reused is not None:
-                # the caller knows this pickle (a rank file of the same run): its root
-                # object and its storages' keys and byte sizes, without unpickling again
-                root, specs = reused
-                return TorchArchive(path, root, {}, _locate_all(mm, base, size, infos, prefix,
-                                                                specs, path))
-            else:
-                try:
-                    root = RestrictedUnpickler(io.BytesIO(data), path, storages).load()
-                except (UnsafeCheckpointError, BadCheckpointError) as e:
-                    if e.path is None:
-                        e.path = path
-                    raise
-                except Exception as e:  # noqa: BLE001 - any failure on untrusted bytes
-                    raise BadCheckpointError(f"corrupt pickle in torch.save archive "
-                                             f"({type(e).__name__}: {e})", path) from None
+            try:
+                root = RestrictedUnpickler(io.BytesIO(data), path, storages).load()
+            except (UnsafeCheckpointError, BadCheckpointError) as e:
+                if e.path is None:
+                    e.path = path
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure on untrusted bytes
+                raise BadCheckpointError(f"corrupt pickle in torch.save archive "
+                                         f"({type(e).__name__}: {e})", path) from None
             for key, ref in storages.items():
                 if ref.dtype not in ITEMSIZE or not isinstance(ref.numel, int) or ref.numel < 0:
                     raise BadCheckpointError(f"storage {key}: corrupt record", path)
