@@ -228,6 +228,19 @@ async def wait_for(pilot, cond, tries=100):
     raise AssertionError("condition not reached")
 
 
+async def inspector_ready(pilot, app, checked: bool = False, tries: int = 400):
+    """Wait until the inspector is the screen *and* has run its on_mount (its widgets exist);
+    with ``checked``, also until the background architecture check has posted its verdict, so
+    a snapshot does not depend on how fast torch imports on a loaded machine."""
+    from tui.screens.inspector import InspectorScreen
+
+    await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen)
+                   and app.screen.is_mounted, tries=tries)
+    if checked:
+        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
+    return app.screen
+
+
 @pytest.fixture(scope="session")
 def formats_root() -> Path:
     """Folder of :mod:`core.sample_formats`' checkpoints (float8 FSDP2/DCP, FSDP1

@@ -6,11 +6,10 @@ import threading
 
 import pytest
 
-from conftest import wait_for
+from conftest import inspector_ready, wait_for
 from core.execute import _Writer
 from test_merge_exact import assert_bit_equal, load
 from tui.app import make_app
-from tui.screens.inspector import InspectorScreen
 from tui.screens.merge_options import MergeOptionsScreen
 from tui.screens.merge_run import MergeRunScreen
 from tui.widgets.param_tree import ParamTree
@@ -36,7 +35,7 @@ def nodes(tree: ParamTree) -> list:
 
 
 async def open_inspector(pilot, app):
-    await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+    await inspector_ready(pilot, app)
     return app.screen
 
 
@@ -346,7 +345,7 @@ async def test_compare_view_sorts_by_change_and_filters(fixtures_root):
         await pilot.press("slash", *"v_proj.w")
         await wait_for(pilot, lambda: table.row_count == 2)
         await pilot.press("escape", "escape")
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await inspector_ready(pilot, app)
 
 
 @pytest.mark.asyncio
@@ -364,7 +363,7 @@ async def test_form_offers_no_strict_for_weights_that_do_not_match_the_model(fix
         assert "do not match the model" in result and "--no-strict" not in result
         assert "not strict" in result
         await pilot.press("escape")
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await inspector_ready(pilot, app)
         form = await open_form(pilot, app, tmp_path / "written")
         form.query_one("#no-strict").value = True
         run = await run_to_end(pilot, app, tries=1200)

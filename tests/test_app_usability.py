@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import copy_checkpoint, wait_for
+from conftest import copy_checkpoint, inspector_ready, wait_for
 from tui.app import make_app
 from tui.screens.browser import BrowserScreen
 from tui.screens.inspector import InspectorScreen
@@ -41,7 +41,7 @@ async def test_statistics_follow_the_selection(fixtures_root):
     """Item 1: the panel is titled with its tensor; moving on drops the old numbers."""
     app = make_app(str(fixtures_root / "w3-llama-f32"))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        await inspector_ready(pilot, app)
         screen = app.screen
         tree = screen.query_one("#params", ParamTree)
         box = screen.query_one("#stats")
@@ -97,7 +97,7 @@ async def test_browser_marks_every_folder_and_goes_up(fixtures_root, tmp_path):
 async def open_form(pilot, app, out):
     from tui.screens.merge_options import MergeOptionsScreen
 
-    await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+    await inspector_ready(pilot, app)
     await pilot.press("m")
     await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
     app.screen.query_one("#output").value = str(out)
@@ -127,7 +127,7 @@ async def test_failed_merge_shows_whole_error_and_stops(fixtures_root, tmp_path)
         assert str(shard) in result and "escape: back" in result
         assert all(bar.total is not None for bar in run.query(ProgressBar))
         await pilot.press("escape")
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await inspector_ready(pilot, app)
     assert not (tmp_path / "out").exists()
 
 
@@ -199,7 +199,7 @@ async def test_help_fits_80x24(fixtures_root):
     """Item 7: at 80x24 the help is inside the screen and scrolls to its last line."""
     app = make_app(str(fixtures_root / "w2-qwen2-f32"))
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        await inspector_ready(pilot, app)
         await pilot.press("question_mark")
         await pilot.pause(0.2)
         box = app.screen.query_one("#help")

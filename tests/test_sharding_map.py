@@ -8,7 +8,7 @@ import math
 import pytest
 from rich.console import Console
 
-from conftest import copy_checkpoint, wait_for
+from conftest import copy_checkpoint, inspector_ready, wait_for
 from core import detect
 from tui.sharding_map import ShardingMap
 
@@ -110,7 +110,7 @@ async def test_map_tab_follows_the_selection(fixtures_root):
 
     app = make_app(str(fixtures_root / "w3-llama-f32"))
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+        await inspector_ready(pilot, app)
         screen = app.screen
         await select(pilot, screen.query_one("#params"), "model.layers.1.mlp.up_proj.weight")
         await pilot.press("v")

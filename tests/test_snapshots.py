@@ -4,9 +4,8 @@ change, and look at the SVGs before committing them."""
 
 from __future__ import annotations
 
-from conftest import wait_for
+from conftest import inspector_ready, wait_for
 from tui.app import make_app
-from tui.screens.inspector import InspectorScreen
 from tui.screens.merge_options import MergeOptionsScreen
 
 SIZE = (110, 34)
@@ -16,8 +15,7 @@ def test_inspector(snap_compare, fixtures_root):
     app = make_app(str(fixtures_root / "w4-hsdp"))
 
     async def ready(pilot):
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
-        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
+        await inspector_ready(pilot, app, checked=True)
         await pilot.pause(0.2)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
@@ -27,8 +25,7 @@ def test_inspector_filtered(snap_compare, fixtures_root):
     app = make_app(str(fixtures_root / "w3-llama-f32"))
 
     async def ready(pilot):
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
-        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
+        await inspector_ready(pilot, app, checked=True)
         # typed, not submitted: the pieces table stays empty, because the byte offsets it
         # shows differ between runs (a DTensor's pickle holds a per-process hash)
         await pilot.press("slash", *"embed")
@@ -43,8 +40,7 @@ def test_merge_options(snap_compare, fixtures_root):
     app = make_app(str(fixtures_root / "w2-dcp"))
 
     async def ready(pilot):
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
-        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
+        await inspector_ready(pilot, app, checked=True)
         await pilot.press("m")
         await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen), tries=200)
         app.screen.query_one("#output").value = "merged_hf"
@@ -57,8 +53,7 @@ def test_help(snap_compare, fixtures_root):
     app = make_app(str(fixtures_root / "w2-qwen2-f32"))
 
     async def ready(pilot):
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
-        await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
+        await inspector_ready(pilot, app, checked=True)
         await pilot.press("question_mark")
         await pilot.pause(0.2)
 

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import wait_for
+from conftest import inspector_ready, wait_for
 from tui.app import make_app
-from tui.screens.inspector import InspectorScreen
 from tui.screens.merge_options import MergeOptionsScreen
 
 SIZE = (80, 24)
 
 
 async def inspector(pilot, app):
-    await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen), tries=200)
+    await inspector_ready(pilot, app, checked=True)
 
 
 def test_inspector_80x24_map(snap_compare, fixtures_root):
