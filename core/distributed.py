@@ -27,7 +27,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import BadCheckpointError, ShardscopeError, UsageError
-from .layout import CheckpointLayout, Problem, coverage_problems
+from .layout import CheckpointLayout, Piece, Problem, coverage_problems
+
+#: problems of a rank file that leave its pieces unknown
+UNREADABLE = ("unreadable-file", "truncated-file", "unsafe-pickle", "unsupported-record")
 
 #: the global rank that writes the output
 WRITER = 0
@@ -130,11 +133,27 @@ def read_local(info: ProcessInfo) -> CheckpointLayout:
 class Union:
     """The union of every process's layout: ``layout`` (pieces held by another process have
     ``file`` = ``rank{k}:{path}``), ``remote`` (per global rank k, its files the writer asks
-    for, by index) and ``held`` (per global rank, the checkpoint ranks it holds)."""
+    for, by index) and ``held`` (per global rank, the checkpoint ranks it holds).
+
+    HSDP with ranks on no node (every shard still has a copy on another replica): ``served``
+    says which ranks are missing and which rank's file, on which process, serves each;
+    ``replicas`` lists every copy of each place held more than once (place key ``(tensor,
+    global offsets, shape)`` -> ``[(global rank of the holder, piece with its local path)]``),
+    to be compared byte for byte (:func:`replica_digests`, :func:`disagreeing`) before the
+    copies stand in for the missing ranks."""
 
     layout: CheckpointLayout
     remote: dict[int, list[str]] = field(default_factory=dict)
     held: dict[int, list[int]] = field(default_factory=dict)
+    served: str | None = None
+    replicas: dict[tuple, list[tuple[int, Piece]]] = field(default_factory=dict)
+
+    def owner(self, file: str) -> int:
+        """The global rank of the process holding a piece's ``file`` (the writer's files are
+        plain paths, the others' ``rank{k}:{path}``)."""
+        if not hasattr(self, "_owners"):
+            self._owners = {remote_tag(k, f): k for k, fs in self.remote.items() for f in fs}
+        return self._owners.get(file, WRITER)
 
 
 def remote_tag(rank: int, path: str) -> str:
@@ -166,6 +185,8 @@ def union_layout(parts: list[tuple[ProcessInfo, CheckpointLayout]], template: st
                                         if lay.world_size), template))
     seen: set[tuple] = set()
     keys_by_rank: dict[int, set[str]] = {}
+    kinds: dict[int, set[str]] = {}  # placement kinds per mesh dim, over every process
+    holders: dict[tuple, list[tuple[int, Piece]]] = {}  # every copy of each place
     for info, lay in parts:
         res.held[info.rank] = sorted(f.rank for f in lay.files if f.status == "ok"
                                      and f.rank is not None)
@@ -187,6 +208,10 @@ def union_layout(parts: list[tuple[ProcessInfo, CheckpointLayout]], template: st
             out.parallel = dict(lay.parallel)
         for r, keys in getattr(lay, "keys_by_rank", {}).items():
             keys_by_rank.setdefault(r, keys)
+        for i, ks in getattr(lay, "kinds_by_dim", {}).items():
+            kinds.setdefault(i, set()).update(ks)
+        for name, _, pc in getattr(lay, "replica_copies", []):  # copies on this node's ranks
+            holders.setdefault((name, pc.global_offsets, pc.shape), []).append((info.rank, pc))
         for f in lay.files:
             if f.rank is not None and not any(g.rank == f.rank for g in out.files):
                 out.files.append(replace(f, path=f.path if info.rank == WRITER
@@ -204,6 +229,7 @@ def union_layout(parts: list[tuple[ProcessInfo, CheckpointLayout]], template: st
                 continue
             for pc in t.pieces:
                 key = (name, pc.global_offsets, pc.shape)
+                holders.setdefault(key, []).append((info.rank, pc))
                 if key in seen:  # a copy another process holds too (or an HSDP replica)
                     continue
                 seen.add(key)
@@ -237,12 +263,119 @@ def union_layout(parts: list[tuple[ProcessInfo, CheckpointLayout]], template: st
         out.problems.append(Problem(
             "no-config", f"the config folder (huggingface/) is on {holder.label} only; the "
             f"writer ({writer_info.label}) needs a copy, or pass --hf-config", template))
-    if not any(p.code in ("missing-rank", "unreadable-file", "truncated-file", "unsafe-pickle")
-               for p in out.problems):
+    unreadable = any(p.code in UNREADABLE for p in out.problems)
+    replica_dims = [i for i, n in enumerate(out.mesh_shape) if kinds.get(i) == {"Replicate"}
+                    and n > 1]
+    if missing and replica_dims and len(missing) < world and not unreadable:
+        _serve_from_replicas(res, parts, missing, replica_dims, holders)
+    elif not unreadable and not any(p.code == "missing-rank" for p in out.problems):
         for t in out.tensors.values():
             out.problems.extend(coverage_problems(t))
     out.notes.append("rank files read by several processes: " + held_text)
     return res
+
+
+def _serve_from_replicas(res: Union, parts, missing: list[int], replica_dims: list[int],
+                         holders: dict) -> None:
+    """HSDP with ranks on no node, as the one-machine reader does (core/formats/fsdp.py,
+    ``_serve_from_replicas``) but over every node's files: the mesh dims in ``replica_dims``
+    only ever hold ``Replicate``, so a missing rank is no loss while some node holds another
+    replica of each of its shards. When every tensor is tiled exactly, ``missing-rank``
+    becomes a warning and ``res.served`` names the rank file (and the process) serving each
+    missing rank; the copies are compared later, over the process group. Otherwise a
+    ``lost-shard`` error names a tensor lacking a piece."""
+    from .formats.fsdp import _unravel
+
+    out = res.layout
+    world, shape = out.world_size, out.mesh_shape
+    shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+    ranks = f"rank{'s' if len(missing) > 1 else ''} {shown} of {world}"
+
+    def place(rank: int) -> tuple:  # the mesh coordinate without its replica dims
+        return tuple(c for i, c in enumerate(_unravel(rank, shape)) if i not in replica_dims)
+
+    gaps = [p for t in out.tensors.values() for p in coverage_problems(t)]
+    if gaps:
+        present = {place(f.rank) for f in out.files if f.rank is not None}
+        names = out.mesh_dim_names or tuple(f"dim {i}" for i in range(len(shape)))
+        kept = [i for i in range(len(shape)) if i not in replica_dims]
+        lost = sorted({place(r) for r in missing} - present)
+        where = "; ".join(
+            ", ".join(f"{names[i]} {c}" for i, c in zip(kept, pl)) + " (ranks " + ", ".join(
+                str(r) for r in range(world) if place(r) == pl) + ")" for pl in lost[:4])
+        out.problems.insert(0, Problem(
+            "lost-shard", f"{ranks} {'are' if len(missing) > 1 else 'is'} on no node and no "
+            f"node holds any HSDP replica of the shard at {where or 'some place'}: "
+            f"{len(gaps)} tensors lack a piece, e.g. {gaps[0].message}", out.path))
+        out.problems.extend(gaps)
+        return
+
+    labels = {info.rank: info.label for info, _ in parts}
+    by_place: dict[tuple, set[tuple[int, int]]] = {}
+    for t in out.tensors.values():
+        for pc in t.pieces:
+            if pc.rank is not None:
+                by_place.setdefault(place(pc.rank), set()).add((pc.rank, res.owner(pc.file)))
+    served = []
+    for r in missing:
+        by = sorted(by_place.get(place(r), ()))
+        served.append(f"rank {r} by " + (", ".join(f"rank {q}'s file on {labels[k]}"
+                                                   for q, k in by) or "the others"))
+    for p in out.problems:
+        if p.code == "missing-rank":
+            p.severity = "warning"
+            p.message += " (HSDP: another replica holds its shards)"
+    res.replicas = {k: v for k, v in holders.items() if len(v) > 1}
+    res.served = (f"HSDP: {ranks} {'are' if len(missing) > 1 else 'is'} on no node; every "
+                  f"shard has a copy on another replica ({'; '.join(served[:8])}"
+                  f"{' ...' if len(served) > 8 else ''})")
+    out.notes.append(res.served)
+
+
+def _digest(handles: dict, p: Piece) -> str:
+    """BLAKE2b of a piece's elements in C order (and its dtype), read through its strides."""
+    import hashlib
+
+    from .dtypes import ITEMSIZE
+    from .formats.fsdp import _handle, _raw
+
+    h = hashlib.blake2b(p.dtype.encode(), digest_size=16)
+    if p.contiguous:
+        f, left, pos = _handle(handles, p.file), p.nbytes, p.byte_offset
+        while left:
+            f.seek(pos)
+            block = f.read(min(left, 1 << 24))
+            if not block:
+                raise BadCheckpointError(f"ends inside a stored tensor (byte {pos})", p.file,
+                                         code="truncated-file")
+            h.update(block)
+            left -= len(block)
+            pos += len(block)
+    else:
+        h.update(_raw(handles, p, ITEMSIZE[p.dtype]))
+    return h.hexdigest()
+
+
+def replica_digests(u: Union, rank: int) -> list[tuple[tuple, str]]:
+    """The digests of every replica copy process ``rank`` holds (``(place key, digest)``;
+    see :attr:`Union.replicas`); reads those pieces' bytes from the local disk."""
+    handles: dict = {}
+    try:
+        return [(key, _digest(handles, pc)) for key, copies in u.replicas.items()
+                for owner, pc in copies if owner == rank]
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+def disagreeing(digests: list[list[tuple[tuple, str]]]) -> list[str]:
+    """Names of the tensors whose replica copies differ, from every process's
+    :func:`replica_digests` (in global-rank order)."""
+    seen: dict[tuple, set[str]] = {}
+    for mine in digests:
+        for key, d in mine:
+            seen.setdefault(key, set()).add(d)
+    return sorted({key[0] for key, ds in seen.items() if len(ds) > 1})
 
 
 class RemoteSources:
@@ -292,9 +425,32 @@ class RemoteSources:
         self._local.close()
 
 
-def serve(files: list[str]) -> tuple[int, int]:
+@dataclass(frozen=True)
+class NodeProgress:
+    """Progress of one process of a distributed merge, passed to ``on_progress`` (from the
+    writer's worker threads, or a serving process's main thread).
+
+    ``rank``/``node_rank``/``label``: the process. ``writer``: it is the process writing the
+    output (its ``done`` counts the bytes of pieces read from its own disk; another process's
+    ``done`` counts the bytes it sent). ``done``/``total``: bytes of rank-file pieces so far / in
+    all (``total`` from the writer's plan; ``done`` never exceeds it). The writer reports every
+    process's line (each remote process's bytes as it receives them); every other process
+    reports its own.
+    """
+
+    rank: int
+    node_rank: int
+    label: str
+    writer: bool
+    done: int
+    total: int
+
+
+def serve(files: list[str], log=None, report=None) -> tuple[int, int]:
     """Run on a process that is not the writer: answer the writer's piece requests from the
-    local ``files`` until it says stop. Returns (pieces sent, bytes sent)."""
+    local ``files`` until it says stop. ``log`` gets one line per request (before its bytes
+    are sent), ``report(pieces, bytes)`` the counts after each. Returns (pieces sent, bytes
+    sent)."""
     import torch
     import torch.distributed as dist
 
@@ -309,7 +465,8 @@ def serve(files: list[str]) -> tuple[int, int]:
                 dist.recv(req, src=WRITER)
             except RuntimeError as e:
                 raise NodeLostError(f"lost the writer (rank {WRITER}) during the merge "
-                                    f"({str(e).splitlines()[0][:120]})") from None
+                                    f"({str(e).splitlines()[0][:120]}); it leaves nothing "
+                                    "at the output") from None
             op, i, offset, n = req.tolist()
             if op == OP_STOP:
                 return pieces, sent
@@ -321,13 +478,18 @@ def serve(files: list[str]) -> tuple[int, int]:
                 except OSError as e:
                     raise BadCheckpointError(f"cannot open: {e.strerror}", files[i]) from None
             data = _pread_exact(fds[i], n, offset, files[i])
+            if log:
+                log(f"sending {n} bytes of {files[i]} at byte {offset}")
             try:
                 dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=WRITER)
             except RuntimeError as e:
                 raise NodeLostError(f"lost the writer (rank {WRITER}) during the merge "
-                                    f"({str(e).splitlines()[0][:120]})") from None
+                                    f"({str(e).splitlines()[0][:120]}); it leaves nothing "
+                                    "at the output") from None
             pieces += 1
             sent += n
+            if report:
+                report(pieces, sent)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -348,18 +510,43 @@ def _raise(err: tuple[int, str, str | None, str], prefix: str = "") -> None:
     raise e
 
 
+def _gather_or_raise(value, world_size: int, label) -> list:
+    """``all_gather_object`` of ``("ok", value)`` or ``("error", (exit code, message, path,
+    code))``: every process raises the first error, naming the process it came from."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    for k, (kind, val) in enumerate(gathered):
+        if kind == "error":
+            _raise(val, f"on {label(k)}: " if label(k) else "")
+    return [val for _, val in gathered]
+
+
+def _try(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except (ShardscopeError, OSError) as e:
+        if isinstance(e, OSError):
+            e = BadCheckpointError(f"cannot read: {e.strerror}", e.filename)
+        return ("error", _error_of(e))
+
+
 def merge_distributed(path: str, options, log=None, on_progress=None, cancel=None,
                       hf_config: str | None = None, timeout_s: float | None = None):
     """Merge a checkpoint whose rank files are spread over the nodes of a launch.
 
     Called by every process of the launch with the same arguments. Returns
-    ``(info, result, stats)``: on the writer ``result`` is the :class:`MergeResult` and
-    ``stats`` None; on the others ``result`` is None and ``stats`` (pieces, bytes) they sent.
-    Raises on every process the same error when the union is incomplete or bad (exit 3), when
-    planning fails, or when the writer fails. ``timeout_s``: how long one collective or one
-    piece request may wait (gloo's timeout; a process serving pieces waits between the
-    writer's requests while it writes its own pieces), default ``SHARDSCOPE_DIST_TIMEOUT``
-    seconds or 4 hours.
+    ``(info, result, stats, warnings)``: on the writer ``result`` is the :class:`MergeResult`
+    and ``stats`` None; on the others ``result`` is None and ``stats`` (pieces, bytes) they
+    sent. ``warnings``: what every process says (ranks on no node served by HSDP replicas).
+    ``on_progress`` receives :class:`NodeProgress` (the writer: one per process; the
+    others: their own) and, on the writer, the :class:`MergeProgress` of the output.
+    Raises on every process the same error when the union is incomplete or bad (exit 3:
+    ``missing-rank``, ``lost-shard``, ``replica-mismatch``...), when planning fails, or when
+    the writer fails. ``timeout_s``: how long one collective or one piece request may wait
+    (gloo's timeout; a process serving pieces waits between the writer's requests while it
+    writes its own pieces), default ``SHARDSCOPE_DIST_TIMEOUT`` seconds or 4 hours.
     """
     from datetime import timedelta
 
@@ -380,10 +567,7 @@ def merge_distributed(path: str, options, log=None, on_progress=None, cancel=Non
     dist.init_process_group("gloo", init_method="env://", rank=info.rank,
                             world_size=info.world_size, timeout=timedelta(seconds=timeout_s))
     try:
-        try:
-            mine = ("ok", read_local(info))
-        except ShardscopeError as e:
-            mine = ("error", _error_of(e))
+        mine = _try(read_local, info)
         if log:
             log(f"{info.label}: read {info.path}")
         gathered: list = [None] * info.world_size
@@ -391,33 +575,60 @@ def merge_distributed(path: str, options, log=None, on_progress=None, cancel=Non
         for other, (kind, val) in gathered:
             if kind == "error":
                 _raise(val, f"on {other.label}: " if other.rank != info.rank else "")
+        infos = [other for other, _ in gathered]
         parts = [(other, val) for other, (_, val) in gathered]
         u = union_layout(parts, path)
         layout = finish_layout(u.layout, hf_config)
         if layout.errors:  # every process refuses alike, before anything is written
-            first = layout.errors[0]
-            more = (f" (and {len(layout.errors) - 1} more problems)"
-                    if len(layout.errors) > 1 else "")
-            raise BadCheckpointError(first.message + more, first.path or path,
-                                     code=first.code)
+            raise _refusal(layout, path)
+        warnings: list[str] = []
+        if u.served is not None:  # HSDP copies stand in for missing ranks: they must agree
+            if log:
+                log(f"{info.label}: comparing the HSDP replica copies it holds")
+            digests = _gather_or_raise(_try(replica_digests, u, info.rank), info.world_size,
+                                       lambda k: infos[k].label if k != info.rank else "")
+            bad = disagreeing(digests)
+            if bad:
+                raise BadCheckpointError(
+                    f"{bad[0]}: the HSDP replicas on the nodes differ, so the copies that "
+                    f"stand in for the ranks on no node cannot be trusted ({len(bad)} tensors "
+                    f"differ; {u.served[6:]})", path, code="replica-mismatch")
+            n = sum(len(c) for c in u.replicas.values())
+            warnings.append(f"{u.served}; the {n} replica copies present agree byte for byte")
         plan, err = None, None
         if info.rank == WRITER:
             try:
                 plan = plan_merge(layout, options)
             except ShardscopeError as e:
                 err = _error_of(e)
-        box = [err]
+        totals: dict[int, int] = {}
+        if plan is not None:
+            for f, n in plan.source_bytes.items():
+                totals[u.owner(f)] = totals.get(u.owner(f), 0) + n
+        box = [(err, totals)]
         dist.broadcast_object_list(box, src=WRITER)
-        if box[0] is not None:
-            _raise(box[0])
+        err, totals = box[0]
+        if err is not None:
+            _raise(err)
         if info.rank != WRITER:
-            stats = serve(u.remote.get(info.rank, []))
+            total = totals.get(info.rank, 0)
+
+            def report(pieces: int, sent: int, done: bool = False) -> None:
+                if on_progress:
+                    on_progress(NodeProgress(info.rank, info.node_rank, info.label, False,
+                                             total if done else min(sent, total), total))
+
+            report(0, 0)
+            stats = serve(u.remote.get(info.rank, []), log, report)
             box = [None]
             dist.broadcast_object_list(box, src=WRITER)
             if box[0] is not None:
-                _raise(box[0], f"the writer ({gathered[WRITER][0].label}) stopped: ")
-            return info, None, stats
-        return info, _write(plan, u, gathered, on_progress, cancel, log), None
+                _raise(box[0], f"the writer ({infos[WRITER].label}) stopped: ")
+            report(*stats, done=True)
+            return info, None, stats, warnings
+        result = _write(plan, u, infos, totals, on_progress, cancel, log)
+        result.warnings[:0] = warnings
+        return info, result, None, warnings
     finally:
         try:
             dist.destroy_process_group()
@@ -425,24 +636,55 @@ def merge_distributed(path: str, options, log=None, on_progress=None, cancel=Non
             pass
 
 
-def _write(plan, u: Union, gathered, on_progress, cancel, log):
-    """The writer's part: run the merge with remote sources, then tell the others to stop and
-    how it ended."""
+def _refusal(layout: CheckpointLayout, path: str) -> BadCheckpointError:
+    first = layout.errors[0]
+    more = f" (and {len(layout.errors) - 1} more problems)" if len(layout.errors) > 1 else ""
+    return BadCheckpointError(first.message + more, first.path or path, code=first.code)
+
+
+def _write(plan, u: Union, infos: list[ProcessInfo], totals: dict[int, int], on_progress,
+           cancel, log):
+    """The writer's part: run the merge with remote sources (reporting each process's line
+    from the pieces it provided), then tell the others to stop and how it ended."""
     import torch
     import torch.distributed as dist
 
-    from .execute import run_merge
+    from .execute import MergeProgress, run_merge
 
-    src = RemoteSources(u.remote, {o.rank: o.label for o, _ in gathered})
+    src = RemoteSources(u.remote, {o.rank: o.label for o in infos})
     status = None
+    progress = None
+    if on_progress:
+        lock = threading.Lock()
+        read: dict[str, int] = {}
+        done = {o.rank: 0 for o in infos}
+
+        def line(k: int) -> NodeProgress:
+            o = infos[k]
+            return NodeProgress(o.rank, o.node_rank, o.label, o.rank == WRITER,
+                                min(done[k], totals.get(k, 0)), totals.get(k, 0))
+
+        for o in infos:
+            on_progress(line(o.rank))
+
+        def progress(ev: MergeProgress) -> None:
+            if ev.source:
+                with lock:  # in order: a line never goes back
+                    k = u.owner(ev.source)
+                    prev = read.get(ev.source, 0)
+                    if ev.source_read > prev:  # worker threads may report out of order
+                        done[k] += ev.source_read - prev
+                        read[ev.source] = ev.source_read
+                    on_progress(line(k))
+            on_progress(ev)
     try:
-        return run_merge(plan, on_progress=on_progress, cancel=cancel, log=log, sources=src)
+        return run_merge(plan, on_progress=progress, cancel=cancel, log=log, sources=src)
     except BaseException as e:
         status = _error_of(e)
         raise
     finally:
         try:
-            for other, _ in gathered:
+            for other in infos:
                 if other.rank != WRITER:
                     dist.send(torch.tensor([OP_STOP, 0, 0, 0], dtype=torch.int64),
                               dst=other.rank)

@@ -52,17 +52,18 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
          "-m", "tui.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-def launch(nproc: int, *args: str) -> list[subprocess.Popen]:
+def launch(nproc: int, *args: str, stderr: dict | None = None) -> list[subprocess.Popen]:
     """The processes torchrun would start (same environment variables), started directly so
-    each one's exit code and output can be checked."""
+    each one's exit code and output can be checked (``stderr``: a file descriptor per global
+    rank instead of a pipe of its own)."""
     port = str(free_port())
     procs = []
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         procs.append(subprocess.Popen([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=(stderr or {}).get(r, subprocess.PIPE), text=True))
     return procs
 
 
@@ -193,3 +194,144 @@ def test_union_is_judged_in_process(fixtures_root, tmp_path):
     shutil.copytree(tmp_path / "c" / "node1", tmp_path / "b" / "node1")
     u = union_layout(_parts(tmp_path / "b", 2), "b/node{rank}")
     assert "world-size-mismatch" in [p.code for p in u.layout.errors], u.layout.errors
+
+
+# --- HSDP: a rank file on no node is no loss while another replica holds its shards ---------
+# w4-hsdp and w4-hsdp-other-names are real FSDP2 checkpoints on a (2, 2) mesh (replicate,
+# shard): ranks r and r + 2 hold the same shard, as two nodes' local disks would in a 2-node
+# HSDP run.
+
+
+def test_hsdp_rank_on_no_node_is_served_by_a_replica_on_another(fixtures_root, tmp_path):
+    """Rank 1's file is on no node; rank 3's copy (on the other node) serves it, the copies
+    present are compared across nodes, and each node shows its progress line."""
+    node_disks(fixtures_root / "w4-hsdp", tmp_path / "ckpt", [[0], [2, 3]])
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "tui.cli",
+         "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out), "--distributed"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, TTY_COMPATIBLE="1", COLUMNS="160"))  # Rich progress as on a tty
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert_bit_equal(load(out), load(fixtures_root / "w4-hsdp.reference"))
+    warning = ("HSDP: rank 1 of 4 is on no node; every shard has a copy on another replica "
+               "(rank 1 by rank 3's file on rank 1 (node 0")
+    assert r.stderr.count(warning) == 2, r.stderr  # said by both processes
+    assert "replica copies present agree byte for byte" in r.stderr
+    # one progress line per node: the writer's view of both, and the sender's own
+    assert "node 0 rank 0: read on its disk (writer)" in r.stderr, r.stderr
+    assert r.stderr.count("node 0 rank 1: sent to the writer") >= 2, r.stderr
+    assert "write 27/27 tensors" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_hsdp_four_nodes_one_without_files(fixtures_root, tmp_path):
+    """Four processes, one rank file each but rank 2's on none (and node 2's disk empty): the
+    writer reads rank 1 itself and receives ranks 0 (standing in for rank 2) and 3."""
+    node_disks(fixtures_root / "w4-hsdp-other-names", tmp_path / "ckpt", [[1], [0], [], [3]])
+    out = tmp_path / "out"
+    procs = launch(4, "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out),
+                   "--distributed", "-q")
+    res = [p.communicate(timeout=600) for p in procs]
+    for p, (stdout, stderr) in zip(procs, res):
+        assert p.returncode == 0, stdout + stderr
+        assert "rank 2 by rank 0's file on rank 1 (node 0" in stderr, stderr
+    assert "sent 0 pieces" in res[2][0] and "wrote" in res[0][0], res
+    assert_bit_equal(load(out), load(fixtures_root / "w4-hsdp-other-names.reference"))
+
+
+def test_hsdp_shard_on_no_node_is_refused_naming_it(fixtures_root, tmp_path):
+    """Ranks 1 and 3 hold both copies of shard 1: with neither on any node, every process
+    refuses, naming the shard and a tensor that lacks it."""
+    node_disks(fixtures_root / "w4-hsdp", tmp_path / "ckpt", [[0], [2]])
+    out = tmp_path / "out"
+    procs = launch(2, "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out),
+                   "--distributed")
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 3, stdout + stderr
+        assert ("ranks 1, 3 of 4 are on no node and no node holds any HSDP replica of the "
+                "shard at fsdp 1 (ranks 1, 3)") in stderr, stderr
+        assert "model.embed_tokens.weight: pieces hold" in stderr, stderr
+        assert "Traceback" not in stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.shardscope-tmp-*"))
+
+
+def test_hsdp_copies_are_compared_across_nodes(fixtures_root, tmp_path):
+    """The union (without a process group): the copies of node 0's rank 0 and node 1's rank 2
+    are listed for comparison; once rank 2's bytes of one tensor differ, that tensor is named."""
+    from core.distributed import disagreeing, replica_digests, union_layout
+
+    node_disks(fixtures_root / "w4-hsdp", tmp_path / "a", [[0], [2, 3]])
+    parts = _parts(tmp_path / "a", 2)
+    u = union_layout(parts, "a/node{rank}")
+    assert not u.layout.errors, u.layout.errors
+    assert [p.severity for p in u.layout.problems if p.code == "missing-rank"] == ["warning"]
+    assert "rank 1 by rank 3's file on rank 1 (node 1, host)" in u.served
+    digests = [replica_digests(u, k) for k in (0, 1)]
+    assert len(digests[0]) == len(digests[1]) == len(u.replicas) > 0
+    assert disagreeing(digests) == []
+    # damage node 1's copy of one place that node 0 holds too
+    key, held = sorted(u.replicas.items())[0]
+    piece = next(pc for k, pc in held if k == 1)
+    _flip(piece.file, piece.byte_offset)
+    assert disagreeing([replica_digests(u, k) for k in (0, 1)]) == [key[0]]
+
+
+def _flip(path: str, offset: int) -> None:
+    """Flip one bit of a stored tensor's byte (the pickle stays sound, only the tensor's bytes
+    change, as a disk or copy fault would)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """The environment of a launch of one process (the process group is made by the merge)."""
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", GROUP_RANK="0",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+
+
+def test_hsdp_copies_on_one_node_are_compared_and_progress_is_reported(fixtures_root, tmp_path,
+                                                                         one_process):
+    """One process holding ranks 0, 2, 3 (rank 1 on no node): its own replica copies (ranks
+    0 and 2) are compared; the merge reports its node's line up to the planned total and is
+    bit-exact; once rank 2's copy of a tensor differs, the merge is refused naming it."""
+    from core import MergeOptions
+    from core.distributed import NodeProgress, merge_distributed
+    from core.execute import MergeProgress
+
+    node_disks(fixtures_root / "w4-hsdp", tmp_path / "ckpt", [[0, 2, 3]])
+    events = []
+    info, result, stats, warnings = merge_distributed(
+        str(tmp_path / "ckpt" / "node{rank}"), MergeOptions(output=str(tmp_path / "out")),
+        on_progress=events.append)
+    assert stats is None and "rank 1 by rank 3's file on rank 0 (node 0" in warnings[0]
+    assert warnings[0] in result.warnings
+    assert_bit_equal(load(tmp_path / "out"), load(fixtures_root / "w4-hsdp.reference"))
+    lines = [e for e in events if isinstance(e, NodeProgress)]
+    assert lines[0].done == 0 and lines[0].writer and lines[0].total > 0
+    assert [e.done for e in lines] == sorted(e.done for e in lines)
+    assert lines[-1].done == lines[-1].total
+    last = [e for e in events if isinstance(e, MergeProgress)][-1]
+    assert last.bytes_written == last.bytes_total == result.tensor_bytes
+
+    from core.formats import fsdp
+
+    lay = fsdp.read(str(tmp_path / "ckpt" / "node0"), present_only=True)
+    name, kept, copy = next(c for c in lay.replica_copies if c[2].rank == 2)
+    assert kept.rank == 0
+    _flip(copy.file, copy.byte_offset + copy.nbytes - 1)
+    from core import ShardscopeError
+
+    with pytest.raises(ShardscopeError) as e:
+        merge_distributed(str(tmp_path / "ckpt" / "node{rank}"),
+                          MergeOptions(output=str(tmp_path / "out2")))
+    assert e.value.code == "replica-mismatch" and e.value.exit_code == 3
+    assert e.value.message.startswith(f"{name}: the HSDP replicas on the nodes differ")
+    assert not (tmp_path / "out2").exists()

@@ -461,14 +461,25 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     started = time.perf_counter()
     try:
-        info, result, stats = merge_distributed(path, opts, log=log, cancel=cancel,
-                                                hf_config=args.hf_config or args.hf_model_path)
+        if not args.quiet and err.is_terminal:  # one progress line per node
+            from tui.progress import NodeProgressView
+
+            with NodeProgressView(err) as view:
+                info, result, stats, warnings = merge_distributed(
+                    path, opts, log=log, cancel=cancel, on_progress=view.update,
+                    hf_config=args.hf_config or args.hf_model_path)
+        else:
+            info, result, stats, warnings = merge_distributed(
+                path, opts, log=log, cancel=cancel,
+                hf_config=args.hf_config or args.hf_model_path)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     from tui.format import human_bytes
 
     if result is None:
+        for w in warnings:
+            err.print(f"[yellow]warning:[/] {w}", highlight=False)
         print(f"{info.label}: sent {stats[0]} pieces ({human_bytes(stats[1])}) of the rank "
               f"files under {info.path} to the writer (rank 0)")
         return 0

@@ -51,3 +51,44 @@ class MergeProgressView:
             if ev.tensor:
                 desc = f"[bold]write[/] {ev.tensors_done}/{ev.tensors_total} tensors"
             self.progress.update(self.overall, completed=ev.bytes_written, description=desc)
+
+
+class NodeProgressView:
+    """Rich progress of one process of ``merge --distributed``: one line per node. The writer
+    shows every process's line (the bytes of rank-file pieces it read from its own disk or
+    received from that process) and the bytes written; another process shows its own line
+    (the bytes it sent). :meth:`update` is the ``on_progress`` callback (thread-safe), fed
+    :class:`core.distributed.NodeProgress` and, on the writer, ``MergeProgress``."""
+
+    def __init__(self, console: Console):
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 DownloadColumn(binary_units=False), TransferSpeedColumn(),
+                                 TimeElapsedColumn(), console=console, transient=False)
+        self.lock = threading.Lock()
+        self.nodes: dict[int, int] = {}
+        self.overall: int | None = None
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def update(self, ev) -> None:
+        from core.distributed import NodeProgress
+
+        with self.lock:
+            if isinstance(ev, NodeProgress):
+                task = self.nodes.get(ev.rank)
+                if task is None:
+                    verb = "read on its disk (writer)" if ev.writer else "sent to the writer"
+                    task = self.nodes[ev.rank] = self.progress.add_task(
+                        f"node {ev.node_rank} rank {ev.rank}: {verb}", total=ev.total)
+                self.progress.update(task, completed=ev.done, total=ev.total)
+            elif isinstance(ev, MergeProgress):
+                if self.overall is None:
+                    self.overall = self.progress.add_task("[bold]write", total=ev.bytes_total)
+                self.progress.update(self.overall, completed=ev.bytes_written,
+                                     description=f"[bold]write[/] {ev.tensors_done}/"
+                                                 f"{ev.tensors_total} tensors")
