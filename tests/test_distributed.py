@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -202,28 +203,43 @@ def test_union_is_judged_in_process(fixtures_root, tmp_path):
 # HSDP run.
 
 
+def torchrun_nodes(nnodes: int, *args: str, env=None) -> list[tuple[int, str, str]]:
+    """One torchrun agent per "node" (``--nnodes N --node-rank i``, one process each, static
+    rendezvous at 127.0.0.1), as on a cluster; (exit code, stdout, stderr) of each node."""
+    port = str(free_port())
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank",
+         str(i), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+         "-m", "tui.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env) for i in range(nnodes)]
+    outs = [a.communicate(timeout=600) for a in agents]
+    return [(a.returncode, *o) for a, o in zip(agents, outs)]
+
+
 def test_hsdp_rank_on_no_node_is_served_by_a_replica_on_another(fixtures_root, tmp_path):
-    """Rank 1's file is on no node; rank 3's copy (on the other node) serves it, the copies
-    present are compared across nodes, and each node shows its progress line."""
+    """Two torchrun nodes; rank 1's file is on neither, rank 3's copy (on node 1) serves it;
+    the copies present are compared across nodes, and each node shows its progress line (the
+    writer's node every node's line)."""
     node_disks(fixtures_root / "w4-hsdp", tmp_path / "ckpt", [[0], [2, 3]])
     out = tmp_path / "out"
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "tui.cli",
-         "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out), "--distributed"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, TTY_COMPATIBLE="1", COLUMNS="160"))  # Rich progress as on a tty
-    assert r.returncode == 0, r.stdout + r.stderr
+    nodes = torchrun_nodes(2, "merge", str(tmp_path / "ckpt" / "node{node_rank}"), "-o",
+                           str(out), "--distributed",
+                           env=dict(os.environ, TTY_COMPATIBLE="1", COLUMNS="160"))  # as a tty
+    err = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", e) for _, _, e in nodes]  # no escapes
+    for (code, stdout, _), e in zip(nodes, err):
+        assert code == 0, stdout + e
+        assert ("HSDP: rank 1 of 4 is on no node; every shard has a copy on another replica "
+                "(rank 1 by rank 3's file on rank 1 (node 1") in e, e
+        assert "replica copies present agree byte for byte" in e, e
+        assert "Traceback" not in e
     assert_bit_equal(load(out), load(fixtures_root / "w4-hsdp.reference"))
-    warning = ("HSDP: rank 1 of 4 is on no node; every shard has a copy on another replica "
-               "(rank 1 by rank 3's file on rank 1 (node 0")
-    assert r.stderr.count(warning) == 2, r.stderr  # said by both processes
-    assert "replica copies present agree byte for byte" in r.stderr
-    # one progress line per node: the writer's view of both, and the sender's own
-    assert "node 0 rank 0: read on its disk (writer)" in r.stderr, r.stderr
-    assert r.stderr.count("node 0 rank 1: sent to the writer") >= 2, r.stderr
-    assert "write 27/27 tensors" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+    assert "node 0 rank 0: read on its disk (writer)" in err[0], err[0]
+    assert "node 1 rank 1: sent to the writer" in err[0], err[0]
+    assert "write 27/27 tensors" in err[0], err[0]
+    assert "node 1 rank 1: sent to the writer" in err[1], err[1]
+    assert "node 0 rank 0" not in err[1] and "tensors" not in err[1], err[1]  # its own only
+    assert "rank 0 (node 0" in nodes[0][1] and "wrote" in nodes[0][1]
+    assert "rank 1 (node 1" in nodes[1][1] and "sent 27 pieces" in nodes[1][1]
 
 
 def test_hsdp_four_nodes_one_without_files(fixtures_root, tmp_path):
