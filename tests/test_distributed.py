@@ -351,3 +351,75 @@ def test_hsdp_copies_on_one_node_are_compared_and_progress_is_reported(fixtures_
     assert e.value.code == "replica-mismatch" and e.value.exit_code == 3
     assert e.value.message.startswith(f"{name}: the HSDP replicas on the nodes differ")
     assert not (tmp_path / "out2").exists()
+
+
+def _hold_at_next_line(fd_read: int, fd_write: int, marker: bytes) -> bytes:
+    """Read a process's stderr (a pipe) until ``marker`` has been written, then fill the pipe,
+    so that the process blocks on its next line of output: with ``-v`` a serving process
+    writes one line per piece request, before it sends the bytes."""
+    seen = b""
+    while marker not in seen:
+        chunk = os.read(fd_read, 4096)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    # a non-blocking writer of its own (the process's end stays blocking)
+    filler = os.open(f"/proc/self/fd/{fd_write}", os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        while True:
+            os.write(filler, b"." * 512)
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(filler)
+    return seen
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_process_killed_mid_merge_leaves_nothing_at_out(fixtures_root, tmp_path, killed):
+    """kill -9 of one process while the writer waits for a piece from the other node
+    (rank 1 is held, blocked on its output, after the writer's first request, with the
+    temporary folder written to): killing rank 1, the writer stops naming it (exit 1) and
+    removes its temporary folder; killing the writer, rank 1 stops naming the lost writer
+    (exit 1) and only the writer's hidden temporary folder is left (removed by the next
+    merge to OUT). OUT itself never appears."""
+    import signal
+    import time
+
+    from core.execute import stale_temp_dirs
+
+    node_disks(fixtures_root / "w4-fsdp2", tmp_path / "ckpt", [[0, 1], [2, 3]])
+    out = tmp_path / "out"
+    r, w = os.pipe()
+    try:
+        procs = launch(2, "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out),
+                       "--distributed", "-v", stderr={1: w})
+        seen = _hold_at_next_line(r, w, b": read ")
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob(".out.shardscope-tmp-*")):
+            assert time.monotonic() < deadline and procs[0].poll() is None, seen
+            time.sleep(0.2)
+        time.sleep(1)  # the writer waits for rank 1's piece
+        assert procs[0].poll() is None and procs[1].poll() is None
+        procs[killed].send_signal(signal.SIGKILL)
+        procs[killed].wait(timeout=60)
+    finally:
+        os.close(w)
+    import threading
+
+    rest: list[bytes] = []
+    drain = threading.Thread(target=lambda: rest.append(os.fdopen(r, "rb").read()))
+    drain.start()  # rank 1's stderr, read while it runs on
+    other = procs[1 - killed]
+    stdout, stderr = other.communicate(timeout=600)
+    drain.join(timeout=600)
+    stderr = stderr or (seen + b"".join(rest)).decode(errors="replace")
+    assert other.returncode == 1, stdout + stderr
+    assert "Traceback" not in stderr
+    assert not out.exists()
+    if killed == 1:
+        assert "lost rank 1 (node 0" in stderr and "nothing was written" in stderr, stderr
+        assert not list(tmp_path.glob(".out.shardscope-tmp-*"))
+    else:
+        assert "lost the writer (rank 0)" in stderr and "nothing at the output" in stderr, stderr
+        left = list(tmp_path.glob(".out.shardscope-tmp-*"))
+        assert left and stale_temp_dirs(out) == left  # the next merge to OUT removes it
