@@ -524,9 +524,11 @@ def _gather_or_raise(value, world_size: int, label) -> list:
 
 
 def _try(fn, *args):
+    """``("ok", fn(*args))``, or ``("error", ...)`` for every process to raise alike (a
+    process that raised alone would leave the others waiting at the next collective)."""
     try:
         return ("ok", fn(*args))
-    except (ShardscopeError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - sent to every process, see _error_of
         if isinstance(e, OSError):
             e = BadCheckpointError(f"cannot read: {e.strerror}", e.filename)
         return ("error", _error_of(e))
