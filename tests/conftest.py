@@ -122,6 +122,25 @@ def megatron_root() -> Path:
     return cached(_cache_root().parent / f"megatron-{key}", write)
 
 
+#: HSDP over three replicas (mesh (3, 2)), for merges across nodes with ranks on no node
+HSDP6 = Variant("w6-hsdp-3x2", mesh_shape=(3, 2), mesh_names=("replicate", "shard"),
+                family="llama", hidden=32, vocab=277, seed=60)
+
+
+@pytest.fixture(scope="session")
+def hsdp6_root() -> Path:
+    """Folder holding ``w6-hsdp-3x2/`` (real FSDP2 on a (3, 2) ``(replicate, shard)`` mesh,
+    6 gloo ranks: ranks 0, 2, 4 hold shard 0, ranks 1, 3, 5 shard 1) and its reference,
+    cached with its own key."""
+    import torch
+
+    key = hashlib.sha256(json.dumps(
+        [torch.__version__, asdict(HSDP6), (ROOT / "core" / "sample.py").read_text()],
+        sort_keys=True).encode()).hexdigest()[:16]
+    return cached(_cache_root().parent / f"hsdp6-{key}",
+                  lambda tmp: write_checkpoints(tmp, 6, [HSDP6]), lock="lock-hsdp6")
+
+
 @pytest.fixture(scope="session")
 def megatron_moe_root() -> Path:
     """Folder holding ``<set>/`` for every MoE set of :mod:`core.sample_megatron_moe` (layer

@@ -257,6 +257,25 @@ def test_hsdp_four_nodes_one_without_files(fixtures_root, tmp_path):
     assert_bit_equal(load(out), load(fixtures_root / "w4-hsdp-other-names.reference"))
 
 
+def test_hsdp_three_replicas_on_two_nodes(hsdp6_root, tmp_path):
+    """A (3, 2) HSDP mesh, three ranks on no node: node 0 holds rank 0 (shard 0) and rank 3
+    (shard 1), node 1 rank 5 (shard 1 again); ranks 2 and 4 are served by rank 0's file,
+    rank 1 by rank 3's, and the copies of shard 1 on the two nodes are compared."""
+    name = "w6-hsdp-3x2"
+    node_disks(hsdp6_root / name, tmp_path / "ckpt", [[0, 3], [5]])
+    out = tmp_path / "out"
+    procs = launch(2, "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out),
+                   "--distributed", "-q")
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stdout + stderr
+        assert ("HSDP: ranks 1, 2, 4 of 6 are on no node; every shard has a copy on another "
+                "replica (rank 1 by rank 3's file on rank 0 (node 0, ") in stderr, stderr
+        assert "rank 2 by rank 0's file on rank 0 (node 0" in stderr, stderr
+        assert "rank 4 by rank 0's file on rank 0 (node 0" in stderr, stderr
+    assert_bit_equal(load(out), load(hsdp6_root / f"{name}.reference"))
+
+
 def test_hsdp_shard_on_no_node_is_refused_naming_it(fixtures_root, tmp_path):
     """Ranks 1 and 3 hold both copies of shard 1: with neither on any node, every process
     refuses, naming the shard and a tensor that lacks it."""
