@@ -393,15 +393,18 @@ def _hold_at_next_line(fd_read: int, fd_write: int, marker: bytes) -> bytes:
     return seen
 
 
-@pytest.mark.parametrize("killed", [1, 0])
-def test_process_killed_mid_merge_leaves_nothing_at_out(fixtures_root, tmp_path, killed):
-    """kill -9 of one process while the writer waits for a piece from the other node
-    (rank 1 is held, blocked on its output, after the writer's first request, with the
-    temporary folder written to): killing rank 1, the writer stops naming it (exit 1) and
-    removes its temporary folder; killing the writer, rank 1 stops naming the lost writer
-    (exit 1) and only the writer's hidden temporary folder is left (removed by the next
-    merge to OUT). OUT itself never appears."""
+@pytest.mark.parametrize("killed,sig", [(1, "SIGKILL"), (0, "SIGKILL"), (0, "SIGTERM")])
+def test_process_killed_mid_merge_leaves_nothing_at_out(fixtures_root, tmp_path, killed, sig):
+    """A signal to one process while the writer waits for a piece from the other node (rank
+    1 is held, blocked on its output, after the writer's first request, with the temporary
+    folder written to). kill -9 of rank 1: the writer stops naming it (exit 1) and removes
+    its temporary folder. kill -9 of the writer: rank 1 stops naming the lost writer (exit 1)
+    and only the writer's hidden temporary folder is left (removed by the next merge to OUT).
+    SIGTERM to the writer (as torchrun sends when a worker fails): it finishes the piece,
+    removes its temporary folder and both exit 130, as a merge on one machine. OUT itself
+    never appears."""
     import signal
+    import threading
     import time
 
     from core.execute import stale_temp_dirs
@@ -419,22 +422,31 @@ def test_process_killed_mid_merge_leaves_nothing_at_out(fixtures_root, tmp_path,
             time.sleep(0.2)
         time.sleep(1)  # the writer waits for rank 1's piece
         assert procs[0].poll() is None and procs[1].poll() is None
-        procs[killed].send_signal(signal.SIGKILL)
-        procs[killed].wait(timeout=60)
+        procs[killed].send_signal(getattr(signal, sig))
+        if sig == "SIGKILL":
+            procs[killed].wait(timeout=60)
     finally:
         os.close(w)
-    import threading
-
     rest: list[bytes] = []
     drain = threading.Thread(target=lambda: rest.append(os.fdopen(r, "rb").read()))
     drain.start()  # rank 1's stderr, read while it runs on
-    other = procs[1 - killed]
-    stdout, stderr = other.communicate(timeout=600)
+    outs = {k: procs[k].communicate(timeout=600) for k in (0, 1)
+            if sig == "SIGTERM" or k != killed}
     drain.join(timeout=600)
-    stderr = stderr or (seen + b"".join(rest)).decode(errors="replace")
-    assert other.returncode == 1, stdout + stderr
-    assert "Traceback" not in stderr
+    if 1 in outs:
+        outs[1] = (outs[1][0], (seen + b"".join(rest)).decode(errors="replace"))
+    for k, (stdout, stderr) in outs.items():
+        assert "Traceback" not in stderr, stderr
     assert not out.exists()
+    if sig == "SIGTERM":
+        assert procs[0].returncode == 130, outs[0]
+        assert "interrupted; nothing was written" in outs[0][1], outs[0][1]
+        assert procs[1].returncode == 130, outs[1]
+        assert "the writer (rank 0 (node 0" in outs[1][1], outs[1][1]
+        assert not list(tmp_path.glob(".out.shardscope-tmp-*"))
+        return
+    stdout, stderr = outs[1 - killed]
+    assert procs[1 - killed].returncode == 1, stdout + stderr
     if killed == 1:
         assert "lost rank 1 (node 0" in stderr and "nothing was written" in stderr, stderr
         assert not list(tmp_path.glob(".out.shardscope-tmp-*"))
