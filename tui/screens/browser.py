@@ -29,6 +29,18 @@ class CheckpointTree(DirectoryTree):
         self.post_message(FoldersListed([str(p) for p in shown]))
         return shown
 
+    def refresh_path(self, path: str) -> None:
+        """Repaint the row(s) of the folder ``path`` after its mark arrived. Textual's Tree
+        caches each rendered line under a key that includes the node's update count
+        (``textual/widgets/_tree.py``, ``_render_line``), so a plain ``refresh()`` repaints
+        the old label; ``TreeNode.refresh()`` bumps that count."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.data is not None and str(node.data.path) == path:
+                node.refresh()
+            stack.extend(node.children)
+
     def render_label(self, node, base_style, style):
         label = super().render_label(node, base_style, style)
         mark = self.marks.get(str(node.data.path)) if node.data else None
@@ -50,6 +62,10 @@ class BrowserScreen(Screen):
         self.path = path
         #: folder -> its summary ("fsdp, 2 rank(s)"), or "" when it holds no checkpoint
         self.marks: dict[str, str] = {}
+        #: folders being sniffed now (so a folder listed and highlighted is sniffed once)
+        self.pending: set[str] = set()
+        #: folders without a checkpoint whose sub-folders were listed to be sniffed
+        self.looked_inside: set[str] = set()
         self.highlighted: str = path
 
     def compose(self) -> ComposeResult:
@@ -62,13 +78,18 @@ class BrowserScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sniff_all([self.path])
+        self._sniff([self.path])
+
+    def _sniff(self, paths: list[str]) -> None:
+        """Sniff, in the background, each of ``paths`` not known nor being sniffed."""
+        todo = [p for p in dict.fromkeys(paths) if p not in self.marks and p not in self.pending]
+        if todo:
+            self.pending.update(todo)
+            self.sniff_all(todo)
 
     @on(FoldersListed)
     def _listed(self, msg: FoldersListed) -> None:
-        todo = [p for p in msg.paths if p not in self.marks]
-        if todo:
-            self.sniff_all(todo)
+        self._sniff(msg.paths)
 
     @on(DirectoryTree.NodeHighlighted)
     def _highlighted(self, event) -> None:
@@ -78,7 +99,9 @@ class BrowserScreen(Screen):
                 self._show(self.highlighted)
             else:
                 self.query_one("#detected", Label).update(f"{self.highlighted}: detecting…")
-                self.sniff(self.highlighted)
+                if self.highlighted not in self.pending:
+                    self.pending.add(self.highlighted)
+                    self.sniff(self.highlighted)
 
     @work(thread=True, group="sniff", exit_on_error=False, description="detect formats")
     def sniff_all(self, paths: list[str]) -> None:
@@ -87,23 +110,43 @@ class BrowserScreen(Screen):
         for path in paths:
             if worker.is_cancelled:
                 return
-            self.post_message(FolderDetected(path, folder_summary(path)))
+            self.post_message(FolderDetected(path, _summary(path)))
 
     @work(thread=True, group="sniff", exit_on_error=False, description="detect format")
     def sniff(self, path: str) -> None:
-        self.post_message(FolderDetected(path, folder_summary(path)))
+        self.post_message(FolderDetected(path, _summary(path)))
+
+    @work(thread=True, group="sniff", exit_on_error=False, description="list sub-folders")
+    def look_inside(self, path: str) -> None:
+        """List the sub-folders of ``path`` (a folder without a checkpoint, highlighted but
+        maybe not expanded) so that each is sniffed and the status line can name the
+        checkpoints inside (verl's ``global_step_N/actor``)."""
+        try:
+            with os.scandir(path) as it:
+                subs = sorted(e.path for e in it if not e.name.startswith(".")
+                              and e.is_dir(follow_symlinks=True))
+        except OSError:
+            return
+        self.post_message(FoldersListed(subs))
 
     @on(FolderDetected)
     def _detected(self, msg: FolderDetected) -> None:
         self.marks[msg.path] = msg.summary
+        self.pending.discard(msg.path)
         if msg.summary:
-            self.query_one("#tree", CheckpointTree).refresh()
+            self.query_one("#tree", CheckpointTree).refresh_path(msg.path)
         if msg.path == self.highlighted:
             self._show(msg.path)
+        elif msg.summary and os.path.dirname(msg.path) == self.highlighted \
+                and self.highlighted in self.marks:
+            self._show(self.highlighted)  # its "checkpoints inside" list grew
 
     def _show(self, path: str) -> None:
         summary = self.marks.get(path, "")
         if not summary:
+            if path in self.marks and path not in self.looked_inside:
+                self.looked_inside.add(path)
+                self.look_inside(path)
             inside = sorted(os.path.basename(p) for p, s in self.marks.items()
                             if s and os.path.dirname(p) == path)
             summary = "no checkpoint here" + (
@@ -128,7 +171,16 @@ class BrowserScreen(Screen):
         tree = self.query_one("#tree", CheckpointTree)
         tree.border_title = parent
         tree.path = parent
-        self.sniff_all([parent])
+        self._sniff([parent])
+
+
+def _summary(path: str) -> str:
+    """:func:`folder_summary`, where a reader's unexpected exception marks that folder
+    instead of ending the worker (which would leave every later folder unmarked)."""
+    try:
+        return folder_summary(path)
+    except Exception as e:  # noqa: BLE001 - one bad folder must not stop the others
+        return f"unreadable: {type(e).__name__}: {e}"
 
 
 def folder_summary(path: str) -> str:
