@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import copy_checkpoint, wait_for
+from conftest import copy_checkpoint, inspector_ready, wait_for
+from test_merge_exact import assert_bit_equal, load
 from tui.app import make_app
 from tui.screens.browser import BrowserScreen
 
@@ -62,3 +63,42 @@ async def test_browser_draws_every_mark_as_it_arrives(fixtures_root, tmp_path):
         await wait_for(pilot, lambda: "global_step_5: no checkpoint here; checkpoints inside: "
                        "actor" in str(status.render()), tries=300)
         assert screen.marks[str(ck / "global_step_5" / "actor")] == "fsdp, 2 rank(s)"
+
+
+@pytest.mark.asyncio
+async def test_merge_form_takes_typing_at_once_and_enter_submits(fixtures_root, tmp_path):
+    """The form opens with the output field focused (its default selected, so typing
+    replaces it); Enter on a checkbox toggles it; Enter in the output field starts the
+    merge, which is bit-exact."""
+    from textual.widgets import Checkbox, Input
+
+    from tui.screens.merge_options import MergeOptionsScreen
+    from tui.screens.merge_run import MergeRunScreen
+
+    out = tmp_path / "typed-out"
+    app = make_app(str(fixtures_root / "w2-qwen2-f32"))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await inspector_ready(pilot, app)
+        await pilot.press("m")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen)
+                       and app.screen.is_mounted)
+        form = app.screen
+        await pilot.pause(0.1)
+        assert form.focused is form.query_one("#output", Input)
+        await pilot.press(*str(out))
+        assert form.query_one("#output", Input).value == str(out)
+        box = form.query_one("#no-strict", Checkbox)
+        box.focus()
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert box.value and app.screen is form  # toggled, not submitted
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert not box.value and app.screen is form
+        form.query_one("#output", Input).focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
+        run = app.screen
+        await wait_for(pilot, lambda: run.finished, tries=1200)
+        assert "verified" in str(run.query_one("#result").render())
+    assert_bit_equal(load(out), load(fixtures_root / "w2-qwen2-f32.reference"))
