@@ -30,8 +30,9 @@ def tree_text(tree) -> list[str]:
 @pytest.mark.asyncio
 async def test_browser_draws_every_mark_as_it_arrives(fixtures_root, tmp_path):
     """Seven checkpoints of four kinds, a log folder and a verl step folder: every row shows
-    its mark without the cursor moving, the status line of the highlighted parent grows with
-    each answer, and a step folder names the checkpoint inside it (``actor``)."""
+    its mark without the cursor moving (the step folder's row names its ``actor``), the
+    status line of the highlighted parent grows with each answer, and names ``actor`` when
+    the step folder is highlighted."""
     ck = tmp_path / "ck"
     ck.mkdir()
     for name, (fixture, _) in CHECKPOINTS.items():
@@ -52,8 +53,12 @@ async def test_browser_draws_every_mark_as_it_arrives(fixtures_root, tmp_path):
                        for name, (_, mark) in CHECKPOINTS.items())
 
         await wait_for(pilot, all_drawn, tries=600)
+        # a folder without a checkpoint names the one inside it, the root counts them
+        await wait_for(pilot, lambda: any("global_step_5  [actor: fsdp, 2 rank(s)]" in r
+                                          for r in tree_text(tree)), tries=300)
         rows = tree_text(tree)
-        assert all("[" not in r for r in rows if "logs" in r or "global_step_5" in r), rows
+        assert rows[0].endswith("ck  [7 checkpoints inside]"), rows
+        assert all("[" not in r for r in rows if "logs" in r), rows
         assert screen.highlighted == str(ck)  # the cursor never moved
         await wait_for(pilot, lambda: "checkpoints inside: " + ", ".join(sorted(CHECKPOINTS))
                        in str(status.render()), tries=100)

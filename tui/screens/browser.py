@@ -17,11 +17,14 @@ from tui.messages import FolderDetected, FoldersListed
 
 
 class CheckpointTree(DirectoryTree):
-    """Shows folders only, each marked with the format detected in it (when known)."""
+    """Shows folders only, each marked with the format detected in it (when known), or
+    with the checkpoints found in its sub-folders when it holds none itself."""
 
-    def __init__(self, path: str, marks: dict[str, str], **kw):
+    def __init__(self, path: str, marks: dict[str, str],
+                 inside: dict[str, list[str]] | None = None, **kw):
         super().__init__(path, **kw)
         self.marks = marks
+        self.inside = {} if inside is None else inside
 
     def filter_paths(self, paths):
         """Folders only, hidden ones left out; the screen is told which (to sniff them)."""
@@ -43,9 +46,17 @@ class CheckpointTree(DirectoryTree):
 
     def render_label(self, node, base_style, style):
         label = super().render_label(node, base_style, style)
-        mark = self.marks.get(str(node.data.path)) if node.data else None
+        path = str(node.data.path) if node.data else None
+        mark = self.marks.get(path) if path else None
         if mark:
             label.append(f"  [{mark}]", style="bold green")
+        elif mark == "" and self.inside.get(path):
+            names = self.inside[path]
+            if len(names) == 1:
+                sub = self.marks.get(os.path.join(path, names[0]), "")
+                label.append(f"  [{names[0]}: {sub}]", style="green")
+            else:
+                label.append(f"  [{len(names)} checkpoints inside]", style="green")
         return label
 
 
@@ -64,13 +75,17 @@ class BrowserScreen(Screen):
         self.marks: dict[str, str] = {}
         #: folders being sniffed now (so a folder listed and highlighted is sniffed once)
         self.pending: set[str] = set()
+        #: folders the tree shows as rows (the others were only sniffed)
+        self.shown: set[str] = {path}
         #: folders without a checkpoint whose sub-folders were listed to be sniffed
         self.looked_inside: set[str] = set()
+        #: folder -> names of its sub-folders that hold a checkpoint (sorted)
+        self.inside: dict[str, list[str]] = {}
         self.highlighted: str = path
 
     def compose(self) -> ComposeResult:
         yield Header()
-        tree = CheckpointTree(self.path, self.marks, id="tree")
+        tree = CheckpointTree(self.path, self.marks, self.inside, id="tree")
         tree.border_title = self.path
         yield tree
         yield Label("highlight a folder; enter or o opens a checkpoint; backspace goes up",
@@ -89,7 +104,19 @@ class BrowserScreen(Screen):
 
     @on(FoldersListed)
     def _listed(self, msg: FoldersListed) -> None:
+        """The tree shows these folders: sniff each, and look inside those known to hold
+        no checkpoint."""
+        self.shown.update(msg.paths)
         self._sniff(msg.paths)
+        for p in msg.paths:
+            if self.marks.get(p) == "":
+                self._look(p)
+
+    def _look(self, path: str) -> None:
+        """Sniff the sub-folders of ``path`` (once), in the background."""
+        if path not in self.looked_inside:
+            self.looked_inside.add(path)
+            self.look_inside(path)
 
     @on(DirectoryTree.NodeHighlighted)
     def _highlighted(self, event) -> None:
@@ -118,37 +145,45 @@ class BrowserScreen(Screen):
 
     @work(thread=True, group="sniff", exit_on_error=False, description="list sub-folders")
     def look_inside(self, path: str) -> None:
-        """List the sub-folders of ``path`` (a folder without a checkpoint, highlighted but
-        maybe not expanded) so that each is sniffed and the status line can name the
-        checkpoints inside (verl's ``global_step_N/actor``)."""
+        """List the sub-folders of ``path`` (a shown folder without a checkpoint, maybe not
+        expanded) so that each is sniffed, and the row and the status line can name the
+        checkpoints inside (verl's ``global_step_N/actor``). One level only: they are not
+        rows, so nothing below them is looked into."""
         try:
             with os.scandir(path) as it:
                 subs = sorted(e.path for e in it if not e.name.startswith(".")
                               and e.is_dir(follow_symlinks=True))
         except OSError:
             return
-        self.post_message(FoldersListed(subs))
+        if subs:
+            self.app.call_from_thread(self._sniff, subs)
 
     @on(FolderDetected)
     def _detected(self, msg: FolderDetected) -> None:
         self.marks[msg.path] = msg.summary
         self.pending.discard(msg.path)
+        tree = self.query_one("#tree", CheckpointTree)
+        parent = os.path.dirname(msg.path)
         if msg.summary:
-            self.query_one("#tree", CheckpointTree).refresh_path(msg.path)
+            names = self.inside.setdefault(parent, [])
+            if os.path.basename(msg.path) not in names:
+                names.append(os.path.basename(msg.path))
+                names.sort()
+            tree.refresh_path(msg.path)
+            tree.refresh_path(parent)  # its "checkpoints inside" mark
+        elif msg.path in self.shown:
+            self._look(msg.path)
         if msg.path == self.highlighted:
             self._show(msg.path)
-        elif msg.summary and os.path.dirname(msg.path) == self.highlighted \
-                and self.highlighted in self.marks:
+        elif msg.summary and parent == self.highlighted and self.highlighted in self.marks:
             self._show(self.highlighted)  # its "checkpoints inside" list grew
 
     def _show(self, path: str) -> None:
         summary = self.marks.get(path, "")
         if not summary:
-            if path in self.marks and path not in self.looked_inside:
-                self.looked_inside.add(path)
-                self.look_inside(path)
-            inside = sorted(os.path.basename(p) for p, s in self.marks.items()
-                            if s and os.path.dirname(p) == path)
+            if path in self.marks:
+                self._look(path)
+            inside = self.inside.get(path, [])
             summary = "no checkpoint here" + (
                 f"; checkpoints inside: {', '.join(inside)}" if inside else "")
         self.query_one("#detected", Label).update(f"{path}: {summary}")
@@ -171,7 +206,10 @@ class BrowserScreen(Screen):
         tree = self.query_one("#tree", CheckpointTree)
         tree.border_title = parent
         tree.path = parent
+        self.shown.add(parent)
         self._sniff([parent])
+        if self.marks.get(parent) == "":
+            self._look(parent)
 
 
 def _summary(path: str) -> str:
