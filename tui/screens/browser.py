@@ -17,11 +17,14 @@ from tui.messages import FolderDetected, FoldersListed
 
 
 class CheckpointTree(DirectoryTree):
-    """Shows folders only, each marked with the format detected in it (when known)."""
+    """Shows folders only, each marked with the format detected in it (when known), or
+    with the checkpoints found in its sub-folders when it holds none itself."""
 
-    def __init__(self, path: str, marks: dict[str, str], **kw):
+    def __init__(self, path: str, marks: dict[str, str],
+                 inside: dict[str, list[str]] | None = None, **kw):
         super().__init__(path, **kw)
         self.marks = marks
+        self.inside = {} if inside is None else inside
 
     def filter_paths(self, paths):
         """Folders only, hidden ones left out; the screen is told which (to sniff them)."""
@@ -29,11 +32,31 @@ class CheckpointTree(DirectoryTree):
         self.post_message(FoldersListed([str(p) for p in shown]))
         return shown
 
+    def refresh_path(self, path: str) -> None:
+        """Repaint the row(s) of the folder ``path`` after its mark arrived. Textual's Tree
+        caches each rendered line under a key that includes the node's update count
+        (``textual/widgets/_tree.py``, ``_render_line``), so a plain ``refresh()`` repaints
+        the old label; ``TreeNode.refresh()`` bumps that count."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.data is not None and str(node.data.path) == path:
+                node.refresh()
+            stack.extend(node.children)
+
     def render_label(self, node, base_style, style):
         label = super().render_label(node, base_style, style)
-        mark = self.marks.get(str(node.data.path)) if node.data else None
+        path = str(node.data.path) if node.data else None
+        mark = self.marks.get(path) if path else None
         if mark:
             label.append(f"  [{mark}]", style="bold green")
+        elif mark == "" and self.inside.get(path):
+            names = self.inside[path]
+            if len(names) == 1:
+                sub = self.marks.get(os.path.join(path, names[0]), "")
+                label.append(f"  [{names[0]}: {sub}]", style="green")
+            else:
+                label.append(f"  [{len(names)} checkpoints inside]", style="green")
         return label
 
 
@@ -50,11 +73,19 @@ class BrowserScreen(Screen):
         self.path = path
         #: folder -> its summary ("fsdp, 2 rank(s)"), or "" when it holds no checkpoint
         self.marks: dict[str, str] = {}
+        #: folders being sniffed now (so a folder listed and highlighted is sniffed once)
+        self.pending: set[str] = set()
+        #: folders the tree shows as rows (the others were only sniffed)
+        self.shown: set[str] = {path}
+        #: folders without a checkpoint whose sub-folders were listed to be sniffed
+        self.looked_inside: set[str] = set()
+        #: folder -> names of its sub-folders that hold a checkpoint (sorted)
+        self.inside: dict[str, list[str]] = {}
         self.highlighted: str = path
 
     def compose(self) -> ComposeResult:
         yield Header()
-        tree = CheckpointTree(self.path, self.marks, id="tree")
+        tree = CheckpointTree(self.path, self.marks, self.inside, id="tree")
         tree.border_title = self.path
         yield tree
         yield Label("highlight a folder; enter or o opens a checkpoint; backspace goes up",
@@ -62,13 +93,30 @@ class BrowserScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sniff_all([self.path])
+        self._sniff([self.path])
+
+    def _sniff(self, paths: list[str]) -> None:
+        """Sniff, in the background, each of ``paths`` not known nor being sniffed."""
+        todo = [p for p in dict.fromkeys(paths) if p not in self.marks and p not in self.pending]
+        if todo:
+            self.pending.update(todo)
+            self.sniff_all(todo)
 
     @on(FoldersListed)
     def _listed(self, msg: FoldersListed) -> None:
-        todo = [p for p in msg.paths if p not in self.marks]
-        if todo:
-            self.sniff_all(todo)
+        """The tree shows these folders: sniff each, and look inside those known to hold
+        no checkpoint."""
+        self.shown.update(msg.paths)
+        self._sniff(msg.paths)
+        for p in msg.paths:
+            if self.marks.get(p) == "":
+                self._look(p)
+
+    def _look(self, path: str) -> None:
+        """Sniff the sub-folders of ``path`` (once), in the background."""
+        if path not in self.looked_inside:
+            self.looked_inside.add(path)
+            self.look_inside(path)
 
     @on(DirectoryTree.NodeHighlighted)
     def _highlighted(self, event) -> None:
@@ -78,7 +126,9 @@ class BrowserScreen(Screen):
                 self._show(self.highlighted)
             else:
                 self.query_one("#detected", Label).update(f"{self.highlighted}: detecting…")
-                self.sniff(self.highlighted)
+                if self.highlighted not in self.pending:
+                    self.pending.add(self.highlighted)
+                    self.sniff(self.highlighted)
 
     @work(thread=True, group="sniff", exit_on_error=False, description="detect formats")
     def sniff_all(self, paths: list[str]) -> None:
@@ -87,25 +137,53 @@ class BrowserScreen(Screen):
         for path in paths:
             if worker.is_cancelled:
                 return
-            self.post_message(FolderDetected(path, folder_summary(path)))
+            self.post_message(FolderDetected(path, _summary(path)))
 
     @work(thread=True, group="sniff", exit_on_error=False, description="detect format")
     def sniff(self, path: str) -> None:
-        self.post_message(FolderDetected(path, folder_summary(path)))
+        self.post_message(FolderDetected(path, _summary(path)))
+
+    @work(thread=True, group="sniff", exit_on_error=False, description="list sub-folders")
+    def look_inside(self, path: str) -> None:
+        """List the sub-folders of ``path`` (a shown folder without a checkpoint, maybe not
+        expanded) so that each is sniffed, and the row and the status line can name the
+        checkpoints inside (verl's ``global_step_N/actor``). One level only: they are not
+        rows, so nothing below them is looked into."""
+        try:
+            with os.scandir(path) as it:
+                subs = sorted(e.path for e in it if not e.name.startswith(".")
+                              and e.is_dir(follow_symlinks=True))
+        except OSError:
+            return
+        if subs:
+            self.app.call_from_thread(self._sniff, subs)
 
     @on(FolderDetected)
     def _detected(self, msg: FolderDetected) -> None:
         self.marks[msg.path] = msg.summary
+        self.pending.discard(msg.path)
+        tree = self.query_one("#tree", CheckpointTree)
+        parent = os.path.dirname(msg.path)
         if msg.summary:
-            self.query_one("#tree", CheckpointTree).refresh()
+            names = self.inside.setdefault(parent, [])
+            if os.path.basename(msg.path) not in names:
+                names.append(os.path.basename(msg.path))
+                names.sort()
+            tree.refresh_path(msg.path)
+            tree.refresh_path(parent)  # its "checkpoints inside" mark
+        elif msg.path in self.shown:
+            self._look(msg.path)
         if msg.path == self.highlighted:
             self._show(msg.path)
+        elif msg.summary and parent == self.highlighted and self.highlighted in self.marks:
+            self._show(self.highlighted)  # its "checkpoints inside" list grew
 
     def _show(self, path: str) -> None:
         summary = self.marks.get(path, "")
         if not summary:
-            inside = sorted(os.path.basename(p) for p, s in self.marks.items()
-                            if s and os.path.dirname(p) == path)
+            if path in self.marks:
+                self._look(path)
+            inside = self.inside.get(path, [])
             summary = "no checkpoint here" + (
                 f"; checkpoints inside: {', '.join(inside)}" if inside else "")
         self.query_one("#detected", Label).update(f"{path}: {summary}")
@@ -128,7 +206,19 @@ class BrowserScreen(Screen):
         tree = self.query_one("#tree", CheckpointTree)
         tree.border_title = parent
         tree.path = parent
-        self.sniff_all([parent])
+        self.shown.add(parent)
+        self._sniff([parent])
+        if self.marks.get(parent) == "":
+            self._look(parent)
+
+
+def _summary(path: str) -> str:
+    """:func:`folder_summary`, where a reader's unexpected exception marks that folder
+    instead of ending the worker (which would leave every later folder unmarked)."""
+    try:
+        return folder_summary(path)
+    except Exception as e:  # noqa: BLE001 - one bad folder must not stop the others
+        return f"unreadable: {type(e).__name__}: {e}"
 
 
 def folder_summary(path: str) -> str:

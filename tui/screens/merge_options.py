@@ -132,6 +132,9 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
             self.query_one("#ok", Button).disabled = True
         for box in self.query(Input):
             box.cursor_blink = False  # no repainting animation (SSH, stable pictures)
+        # typing right after `m` goes to the output folder (its default selected: typing
+        # replaces it); otherwise the scrolling #fields container would take the focus
+        self.query_one("#output", Input).focus()
 
     def options(self) -> MergeOptions:
         """The form as options. Raises UsageError (shown in the form) for a bad value, or
