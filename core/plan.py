@@ -163,9 +163,13 @@ def parse_size(size: int | str) -> int:
     return int(float(m[1]) * mult[unit])
 
 
-def tie_word_embeddings(config_dir: str | None) -> bool | None:
+def tie_word_embeddings(config_dir: str | None, trust_remote_code: bool = False) -> bool | None:
     """``tie_word_embeddings`` of the model config in ``config_dir``; when config.json does not
-    set it, the model class's default, as transformers resolves it. None without a config."""
+    set it, the model class's default, as transformers resolves it. None without a config, or
+    when the config class is remote code (``auto_map``) not trusted: ``trust_remote_code`` is
+    passed to ``AutoConfig.from_pretrained`` as a bool, never None, because None makes
+    transformers ask "run the custom code? [y/N]" on the terminal
+    (transformers/dynamic_module_utils.py ``resolve_trust_remote_code``), which hangs CI."""
     cfg = read_config(config_dir)
     if cfg is None:
         return None
@@ -175,7 +179,8 @@ def tie_word_embeddings(config_dir: str | None) -> bool | None:
     try:
         from transformers import AutoConfig
 
-        return bool(AutoConfig.from_pretrained(config_dir).tie_word_embeddings)
+        return bool(AutoConfig.from_pretrained(
+            config_dir, trust_remote_code=bool(trust_remote_code)).tie_word_embeddings)
     except Exception:  # noqa: BLE001 - unknown model type: fall back to the key's absence
         return None
 
@@ -315,7 +320,9 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
                             alias, kept, resolver, layout.path)
             del mapping[alias]  # FSDP/DCP keep tied copies; save_pretrained writes one
     else:  # no model class to ask: transformers' usual pair, as the config says
-        tied = (tie_word_embeddings(config_dir) if config_dir
+        if options.strict:
+            raise BadCheckpointError(unchecked_refusal(verdict.skipped), layout.path)
+        tied = (tie_word_embeddings(config_dir, options.trust_remote_code) if config_dir
                 else (layout.derived_config or {}).get("tie_word_embeddings"))
         for out_name, emb in TIED_PAIRS:
             if tied and out_name in mapping and emb in mapping:
@@ -325,8 +332,9 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
             elif tied is False and out_name not in mapping and emb in mapping:
                 raise BadCheckpointError(f"the config says the embeddings are untied, but the "
                                          f"checkpoint has no {out_name}", config_dir)
-        if config_dir or derived is not None:
-            warnings.append(verdict.summary())
+        warnings.append(f"--no-strict, written anyway: {verdict.summary()}; the tensors keep "
+                        "the checkpoint's own (in-memory) names, which nothing checked against "
+                        "the names save_pretrained writes")
     if verdict.mismatched:
         if options.strict:
             raise BadCheckpointError(
@@ -449,6 +457,22 @@ def _check_tied(alias: TensorInfo, kept: TensorInfo, alias_name: str, kept_name:
             f"the config ties {alias_name} to {kept_name} (tie_word_embeddings), but the "
             f"checkpoint's {alias_name} was trained apart: {why}; set tie_word_embeddings to "
             "false in config.json (or --hf-config) to keep it", where)
+
+
+def unchecked_refusal(why: str) -> str:
+    """The strict merge's refusal when the architecture check cannot be made (``why``: the
+    judge's reason: no config, a ``model_type`` transformers does not know, remote code not
+    trusted). Without the model class nothing vouches for the names written: training saves
+    ``model.state_dict()``, the names in memory, and transformers 5 saves some models under
+    other names (a vision-language model's ``model.language_model.*``, fused experts), which
+    only the class's ``save_pretrained`` steps give (:mod:`core.hf_names`)."""
+    fix = ("pass --hf-config DIR (the model's config folder)" if why.startswith("no config")
+           else "pass --trust-remote-code to build it" if "--trust-remote-code" in why
+           else "pass --hf-config DIR with a config transformers knows")
+    return (f"architecture check skipped: {why.split('; pass --')[0].split(' (pass --')[0]}: "
+            "the tensor names cannot be checked against those save_pretrained writes (a "
+            "vision-language or fused-MoE model keeps other names in memory); " + fix
+            + ", or --no-strict to write the checkpoint's own names unchecked")
 
 
 def _source(src: "str | TensorInfo", sources: dict[str, TensorInfo]) -> TensorInfo:
