@@ -24,6 +24,9 @@ ADAPTER_DIR = "lora_adapter"
 #: ``load_state_dict(strict=False)``) writes the weights there are, the model card saying so
 STRICT_ONLY = frozenset({"frozen-excluded", "config-mismatch"})
 
+#: problems only ``--deep`` finds (core/deep.py): a refusal points to ``inspect --deep``
+DEEP_CODES = frozenset({"checksum-mismatch", "nan-inf", "no-checksum"})
+
 #: names of an output layer that ties to the input embedding (transformers' convention)
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
 
@@ -245,8 +248,10 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
         more = f" (and {len(blocking) - 1} more problems)" if len(blocking) > 1 else ""
         hint = ("; pass --no-strict to write the weights there are" if first.code in STRICT_ONLY
                 else "")
-        raise BadCheckpointError(f"{first.message}{more}{hint}; run `shardscope inspect` for "
-                                 "the list", first.path or layout.path)
+        deep = any(p.code in DEEP_CODES for p in blocking)  # found by reading the data
+        raise BadCheckpointError(f"{first.message}{more}{hint}; run `shardscope inspect"
+                                 f"{' --deep' if deep else ''}` for the list",
+                                 first.path or layout.path)
     waived = [f"--no-strict, written anyway: {p.message}" for p in layout.errors]
     if not layout.tensors:
         raise BadCheckpointError("the checkpoint holds no model tensors", layout.path)
