@@ -305,7 +305,7 @@ def test_unknown_model_type_says_check_skipped(fixtures_root, tmp_path):
     r = run("merge", str(ck), "-o", str(tmp_path / "a"))
     assert r.returncode == 3 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
     assert "check skipped" in r.stderr and not (tmp_path / "a").exists()
-    r = run("merge", str(ck), "-o", str(tmp_path / "b"), "--no-strict", "-q")
+    r = run("merge", str(ck), "-o", str(tmp_path / "b"), "--no-strict")
     assert r.returncode == 0 and why in r.stderr and "check skipped" in r.stderr, r.stderr
     assert why in (tmp_path / "b" / "README.md").read_text()
 

@@ -109,3 +109,51 @@ def test_deep_failure_in_a_dcp_chunk_names_its_tensor(fixtures_root, tmp_path):
     assert len(probs) == 1 and probs[0]["message"].startswith(name), probs
     where = (f"archive at byte {start}, " if start else "") + "data at bytes "
     assert where in probs[0]["message"], probs[0]["message"]
+
+
+# -- 6: verify's verdict reflects every problem it lists -----------------------------------------
+
+def test_verify_verdict_is_not_ok_beside_a_problem(fixtures_root, tmp_path):
+    out = tmp_path / "out"
+    r = cli("merge", fixtures_root / "w2-dcp", "-o", out, "--no-strict", "-q")
+    assert r.returncode == 0, r.stderr
+    r = cli("verify", out)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and "no-config" in lines[0] and "warning" in lines[0], r.stdout
+    assert "no-config" in lines[-1] and "from_pretrained cannot load" in " ".join(lines[-2:])
+    assert not any(line.startswith("ok ") or line == "ok" for line in lines), r.stdout
+    r = cli("verify", out, "--reference", fixtures_root / "w2-dcp.reference")
+    assert r.returncode == 0 and "all tensors match" in r.stdout and "no-config" in \
+        r.stdout.strip().splitlines()[-1] + r.stdout.strip().splitlines()[-2]
+    shutil.copy(fixtures_root / "w2-dcp.reference" / "config.json", out / "config.json")
+    r = cli("verify", out)
+    assert r.returncode == 0 and r.stdout.strip().splitlines() == [f"ok {out}"], r.stdout
+
+
+# -- 7: piped output keeps whole lines -------------------------------------------------------------
+
+def test_inspect_params_piped_keeps_whole_lines(models_root):
+    src = models_root / "qwen2_5_vl"
+    r = cli("inspect", src, "--params")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("│")[1].strip(): line for line in r.stdout.splitlines()
+            if line.startswith("│") and line.count("│") >= 6}
+    layout = detect(src)
+    longest = max(layout.tensors, key=len)
+    assert len(longest) + 40 > 80  # the line would not fit 80 columns
+    for name, t in layout.tensors.items():
+        assert name in rows, name  # whole, not cut with "…" or folded onto two lines
+        assert str(list(t.shape)) in rows[name] and t.placement in rows[name]
+    assert str(src / "model_world_size_2_rank_0.pt") in r.stdout
+
+
+# -- 9: -q prints errors only ---------------------------------------------------------------------
+
+def test_quiet_merge_prints_errors_only(fixtures_root, tmp_path):
+    r = cli("merge", fixtures_root / "w2-dcp", "-o", tmp_path / "a", "--no-strict", "-q")
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", (r.stdout, r.stderr)
+    assert (tmp_path / "a" / "model.safetensors").is_file()
+    r = cli("merge", fixtures_root / "w2-dcp", "-o", tmp_path / "a", "--no-strict", "-q")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1  # it exists
+    r = cli("merge", fixtures_root / "w2-dcp", "-o", tmp_path / "b", "--no-strict")
+    assert r.returncode == 0 and r.stdout.startswith("wrote ") and "warning:" in r.stderr
