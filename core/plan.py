@@ -537,9 +537,10 @@ def _version() -> str:
 
 
 def lora_choice(layout: CheckpointLayout, options: MergeOptions):
-    """(LoraInfo, chosen AdapterInfo) or (None, None). Raises UsageError when the user must
-    choose (mode, adapter name), when alpha is unknown or uncertain but needed, for
-    unsupported variants, and when an adapter-only checkpoint lacks ``--base-model``."""
+    """(LoraInfo, chosen AdapterInfo) or (None, None). Raises UsageError (exit 2) when the
+    user must choose (mode, adapter name), when alpha is unknown or uncertain but needed, and
+    when an adapter-only checkpoint lacks ``--base-model``; BadCheckpointError (exit 3) for a
+    LoRA variant shardscope does not support (LoRA on parameters, LoRA bias, ...)."""
     lora = layout.lora
     if lora is None or not hasattr(lora, "adapters"):
         if options.lora not in (None, "base"):
@@ -560,9 +561,10 @@ def lora_choice(layout: CheckpointLayout, options: MergeOptions):
                          "(drop it)")
     if options.lora not in lora_mod.MODES:
         raise UsageError(f"--lora must be one of {', '.join(lora_mod.MODES)}")
-    if lora.unsupported and options.lora != "base":
-        raise UsageError(f"not supported yet: {', '.join(lora.unsupported)}; --lora base "
-                         "writes the base weights alone")
+    if lora.unsupported and options.lora != "base":  # a feature, not a misuse: exit 3
+        raise BadCheckpointError(f"not supported yet: {', '.join(lora.unsupported)}; --lora "
+                                 "base writes the base weights alone", layout.path,
+                                 code="unsupported-lora")
     if lora.lora_only and not options.base_model:
         raise UsageError("the checkpoint holds LoRA adapter tensors only (no base weights, as "
                          "verl's save_lora_only writes): the base weights are needed; pass "

@@ -218,7 +218,7 @@ def test_lora_on_expert_parameters_is_refused_by_name_and_base_strips_every_wrap
                                 "mlp.experts.down_proj, mlp.experts.gate_up_proj)"]
     for mode in ("fold", "adapter", "both"):
         r = cli("merge", ck, "-o", tmp_path / mode, "--lora", mode)
-        assert r.returncode == 2 and "LoRA on parameters" in r.stderr, r.stderr
+        assert r.returncode == 3 and "LoRA on parameters" in r.stderr, r.stderr
         assert "gate_up_proj" in r.stderr and not (tmp_path / mode).exists()
     merge(ck, tmp_path / "b", lora="base")
     got = load_file(tmp_path / "b" / "model.safetensors")
@@ -251,7 +251,7 @@ def test_trainable_tokens_are_refused_by_name_and_base_keeps_the_embedding(lora_
     ck = lora_root / "w3-lora-tokens"
     assert detect(ck).lora.unsupported == ["trainable tokens (peft trainable_token_indices)"]
     r = cli("merge", ck, "-o", tmp_path / "f", "--lora", "fold")
-    assert r.returncode == 2 and "trainable tokens" in r.stderr
+    assert r.returncode == 3 and "trainable tokens" in r.stderr
     merge(ck, tmp_path / "b", lora="base")
     exact(load_file(tmp_path / "b" / "model.safetensors"),
           load_file(lora_root / "w3-lora-tokens.reference" / "model.safetensors"))
