@@ -157,3 +157,29 @@ def test_quiet_merge_prints_errors_only(fixtures_root, tmp_path):
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1  # it exists
     r = cli("merge", fixtures_root / "w2-dcp", "-o", tmp_path / "b", "--no-strict")
     assert r.returncode == 0 and r.stdout.startswith("wrote ") and "warning:" in r.stderr
+
+
+# -- 8: the check's verdict fits the 80x24 layout box ---------------------------------------------
+
+def test_short_check_verdict_fits_the_80x24_border():
+    """The layout box is 40 columns at 80x24 (its border leaves about 34): the short verdict
+    in its bottom border fits for every kind of verdict (the snapshots show it in place)."""
+    from core.judge import Verdict
+    from tui.widgets.layout_summary import check_short
+
+    verdicts = [
+        Verdict("Qwen2_5_VLForConditionalGeneration", expected=1234, matched=1234),
+        Verdict("X", expected=1234, matched=1000, missing=["a"] * 120, extra=["b"] * 999,
+                shape=[("c", (1,), (2,))] * 15),
+        Verdict(skipped="no config.json (pass --hf-config DIR to check the weights against "
+                        "the model)"),
+        Verdict(skipped="config.json names TinyRemoteForCausalLM, a class transformers does "
+                        "not ship (remote code in auto_map); pass --trust-remote-code"),
+        Verdict(skipped="transformers 5.24.0 does not know model_type 'qwen2_private_fork' of "
+                        "config.json"),
+    ]
+    shorts = [check_short(v) for v in verdicts]
+    assert shorts == ["check: matches, 1234/1234", "check: 120 missing, 999 extra, ...",
+                      "check skipped: no config", "check skipped: remote code",
+                      "check skipped: unknown model_type"]
+    assert all(len(s) <= 34 for s in shorts)
