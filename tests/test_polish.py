@@ -183,3 +183,35 @@ def test_short_check_verdict_fits_the_80x24_border():
                       "check skipped: no config", "check skipped: remote code",
                       "check skipped: unknown model_type"]
     assert all(len(s) <= 34 for s in shorts)
+
+
+# -- 12: HSDP replica comparison through strides uses the merge's strided reader -------------------
+
+def test_strided_replica_copies_compared_element_by_element(fixtures_root, tmp_path):
+    """A shard of the real HSDP checkpoint and a byte-for-byte replica of its rank file: read
+    as transposed (non-contiguous) pieces they agree; a flipped byte in one copy is found."""
+    from dataclasses import replace
+
+    from core.formats.fsdp import _disagreeing_copies
+
+    ck = copy_checkpoint(fixtures_root / "w4-hsdp", tmp_path / "ck")
+    layout = detect(ck)
+    name, t = next((n, t) for n, t in layout.tensors.items() if len(t.shape) == 2)
+    a = next(p for p in t.pieces if p.rank == 0)
+    copy = shutil.copy(a.file, tmp_path / "replica.pt")  # a replica's bytes, as HSDP saves
+    c = replace(a, file=str(copy))
+    assert a.contiguous and len(a.shape) == 2 and min(a.shape) > 1
+
+    def transposed(p):
+        return replace(p, shape=p.shape[::-1], stride=p.stride[::-1])
+
+    pairs = [(name, transposed(a), transposed(c))]
+    assert not pairs[0][1].contiguous
+    assert _disagreeing_copies(pairs) == []
+    with open(c.file, "r+b") as f:  # last element of the copy's first row
+        pos = c.byte_offset + (c.shape[1] - 1) * 4
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x40]))
+    assert _disagreeing_copies(pairs) == [name]
