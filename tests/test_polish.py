@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
-from conftest import ROOT, copy_checkpoint
+from conftest import ROOT, copy_checkpoint, flip_largest_storage
 from core import detect
 
 
@@ -53,23 +51,10 @@ def test_a_short_distcp_file_is_still_truncated(fixtures_root, tmp_path):
 
 # -- 11: a failed --deep check names the tensor and points to inspect --deep ---------------------
 
-def _flip_largest_storage(f: Path) -> None:
-    z = zipfile.ZipFile(f)
-    info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(f, "r+b") as fh:
-        fh.seek(info.header_offset)
-        n, m = struct.unpack("<HH", fh.read(30)[26:30])
-        pos = info.header_offset + 30 + n + m + info.file_size // 2
-        fh.seek(pos)
-        b = fh.read(1)
-        fh.seek(pos)
-        fh.write(bytes([b[0] ^ 0x5A]))
-
-
 def test_deep_failure_names_the_tensor_and_inspect_deep(fixtures_root, tmp_path):
     ck = copy_checkpoint(fixtures_root / "w3-llama-f32", tmp_path / "ck")
     f = ck / "model_world_size_3_rank_1.pt"
-    _flip_largest_storage(f)
+    data, size = flip_largest_storage(f)
     r = cli("merge", ck, "-o", tmp_path / "out", "--deep", "-q")
     assert r.returncode == 3 and r.stderr.count("\n") == 1, r.stderr
     assert "run `shardscope inspect --deep`" in r.stderr
@@ -79,16 +64,10 @@ def test_deep_failure_names_the_tensor_and_inspect_deep(fixtures_root, tmp_path)
     assert len(probs) == 1 and Path(probs[0]["path"]).name == f.name
     # the storage named is the one flipped, and its tensor is the one stored there
     layout = detect(ck)
-    z = zipfile.ZipFile(f)
-    info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(f, "rb") as fh:
-        fh.seek(info.header_offset)
-        n, m = struct.unpack("<HH", fh.read(30)[26:30])
-    data = info.header_offset + 30 + n + m
     owner = [name for name, t in layout.tensors.items() for p in t.pieces
-             if p.file == str(f) and data <= p.byte_offset < data + info.file_size]
+             if p.file == str(f) and data <= p.byte_offset < data + size]
     assert owner and probs[0]["message"].startswith(owner[0]), (owner, probs[0]["message"])
-    assert f"data at bytes {data}-{data + info.file_size}" in probs[0]["message"]
+    assert f"data at bytes {data}-{data + size}" in probs[0]["message"]
 
 
 def test_deep_failure_in_a_dcp_chunk_names_its_tensor(fixtures_root, tmp_path):
