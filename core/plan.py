@@ -471,13 +471,13 @@ def unchecked_refusal(why: str) -> str:
     ``model.state_dict()``, the names in memory, and transformers 5 saves some models under
     other names (a vision-language model's ``model.language_model.*``, fused experts), which
     only the class's ``save_pretrained`` steps give (:mod:`core.hf_names`)."""
-    fix = ("pass --hf-config DIR (the model's config folder)" if why.startswith("no config")
+    fix = ("give --hf-config DIR (the model's config folder)" if why.startswith("no config")
            else "pass --trust-remote-code to build it" if "--trust-remote-code" in why
-           else "pass --hf-config DIR with a config transformers knows")
+           else "give --hf-config DIR with a config transformers knows")
     return (f"architecture check skipped: {why.split('; pass --')[0].split(' (pass --')[0]}: "
             "the tensor names cannot be checked against those save_pretrained writes (a "
             "vision-language or fused-MoE model keeps other names in memory); " + fix
-            + ", or --no-strict to write the checkpoint's own names unchecked")
+            + ", or pass --no-strict to write the checkpoint's own names unchecked")
 
 
 def _source(src: "str | TensorInfo", sources: dict[str, TensorInfo]) -> TensorInfo:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, copy_checkpoint, flip_largest_storage
 from core import detect
 
@@ -194,3 +196,37 @@ def test_strided_replica_copies_compared_element_by_element(fixtures_root, tmp_p
         f.seek(pos)
         f.write(bytes([b[0] ^ 0x40]))
     assert _disagreeing_copies(pairs) == [name]
+
+
+# -- 1 in the app: a DCP folder without a config -------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_app_refuses_unchecked_names_in_the_forms_words(fixtures_root, tmp_path):
+    """The app's merge of a DCP folder without a config is refused with the reason, in the
+    form's words (its config folder field, its not-strict box); ticking the box writes it.
+    The layout box's border shows the check's short verdict at 80x24."""
+    from test_app import open_form, open_inspector, run_to_end
+    from tui.app import make_app
+
+    app = make_app(str(fixtures_root / "w2-dcp"))
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_inspector(pilot, app)
+        from conftest import wait_for
+
+        await wait_for(pilot, lambda: screen.verdict is not None, tries=1200)
+        assert "check skipped: no config" in str(screen.query_one("#summary").border_subtitle)
+        await open_form(pilot, app, tmp_path / "refused")
+        run = await run_to_end(pilot, app, tries=1200)
+        result = " ".join(str(run.query_one("#result").render()).split())
+        assert "architecture check skipped: no config.json" in result, result
+        assert "the config folder field" in result and "not strict" in result
+        assert "--no-strict" not in result and "--hf-config" not in result
+        await pilot.press("escape")
+        await open_inspector(pilot, app)
+        form = await open_form(pilot, app, tmp_path / "written")
+        form.query_one("#no-strict").value = True
+        run = await run_to_end(pilot, app, tries=1200)
+        assert "the merge failed" not in str(run.query_one("#status").render())
+    assert (tmp_path / "written" / "model.safetensors").is_file()
+    assert not (tmp_path / "refused").exists()
+    assert "names unchecked" in (tmp_path / "written" / "README.md").read_text()
