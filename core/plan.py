@@ -337,9 +337,12 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
             elif tied is False and out_name not in mapping and emb in mapping:
                 raise BadCheckpointError(f"the config says the embeddings are untied, but the "
                                          f"checkpoint has no {out_name}", config_dir)
-        warnings.append(f"--no-strict, written anyway: {verdict.summary()}; the tensors keep "
-                        "the checkpoint's own (in-memory) names, which nothing checked against "
-                        "the names save_pretrained writes")
+        if writing:
+            warnings.append(f"--no-strict, written anyway: {verdict.summary()}; the tensors "
+                            "keep the checkpoint's own (in-memory) names, which nothing "
+                            "checked against the names save_pretrained writes")
+        elif config_dir or derived is not None:  # e.g. a side of diff: the reason alone
+            warnings.append(verdict.summary())
     if verdict.mismatched:
         if options.strict:
             raise BadCheckpointError(

@@ -476,7 +476,8 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
                         workers=max(1, args.workers), lora=args.lora,
                         lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
                         lora_config=args.lora_config, base_model=args.base_model,
-                        model_card=not args.no_card)
+                        model_card=not args.no_card, strict=args.strict,
+                        trust_remote_code=args.trust_remote_code)
     cancel = threading.Event()
 
     def stop(signum, frame):
