@@ -43,7 +43,37 @@ def _archives(layout: CheckpointLayout) -> list[tuple[str, int, int]]:
     return list(seen)
 
 
-def _check_crc(path: str, base: int, length: int) -> list[Problem]:
+def _owners(layout: CheckpointLayout):
+    """A function (file, archive byte, storage data byte, storage bytes) -> the tensors whose
+    pieces that storage holds, as text (``q_proj.weight [0:32]``-like: names with the
+    slice's global offsets when the tensor is cut), for messages that name what is corrupt."""
+    by_file: dict[str, list] = {}
+    for name, t in layout.tensors.items():
+        for p in t.pieces:
+            by_file.setdefault(p.file, []).append((name, p))
+
+    def owners(path: str, base: int, data: int, size: int) -> str:
+        hit = []
+        for name, p in by_file.get(path, ()):
+            inside = (p.archive[0] == base if p.archive is not None
+                      else data <= p.byte_offset < data + max(size, 1))
+            if inside:
+                cut = any(p.global_offsets) or len(layout.tensors[name].pieces) > 1
+                hit.append(f"{name} (the piece at {list(p.global_offsets)})" if cut else name)
+        hit = list(dict.fromkeys(hit))
+        if not hit:
+            return ""
+        return ", ".join(hit[:3]) + (f" and {len(hit) - 3} more" if len(hit) > 3 else "")
+
+    return owners
+
+
+def _check_crc(path: str, base: int, length: int, owners=None) -> list[Problem]:
+    """CRC-32 of every storage of the torch.save archive at byte ``base`` of ``path``
+    (``length`` bytes, -1: to the end); ``owners`` (:func:`_owners`) names the tensors of a
+    failing storage."""
+    import struct
+
     out = []
     with open(path, "rb") as f:
         if length < 0:
@@ -67,9 +97,15 @@ def _check_crc(path: str, base: int, length: int) -> list[Problem]:
                     while block := fh.read(CHUNK):
                         crc = zlib.crc32(block, crc)
             except zipfile.BadZipFile:
-                out.append(Problem("checksum-mismatch", f"storage {info.filename.rsplit('/', 1)[-1]} "
-                                   f"(archive at byte {base}) fails its CRC-32: the data is "
-                                   "corrupt", path))
+                f.seek(base + info.header_offset)  # the local header: where the data starts
+                n, m = struct.unpack("<HH", f.read(30)[26:30])
+                data = base + info.header_offset + 30 + n + m
+                who = owners(path, base, data, info.file_size) if owners else ""
+                where = (f"archive at byte {base}, " if base else "") + \
+                    f"data at bytes {data}-{data + info.file_size}"
+                out.append(Problem("checksum-mismatch", (f"{who}: " if who else "")
+                                   + f"storage {info.filename.rsplit('/', 1)[-1]} ({where}) "
+                                   "fails its CRC-32: the data is corrupt", path))
             except (OSError, EOFError) as e:
                 out.append(Problem("truncated-file", f"storage {info.filename}: {e}", path))
     return out
@@ -90,10 +126,11 @@ def deep_check(layout: CheckpointLayout,
     total = len(archives) + len(layout.tensors)
     done = 0
     problems: list[Problem] = []
+    owners = _owners(layout)
     for path, base, length in archives:
         if cancel is not None and cancel.is_set():
             raise MergeCancelled("cancelled")
-        problems.extend(_check_crc(path, base, length))
+        problems.extend(_check_crc(path, base, length, owners))
         done += 1
         if on_progress:
             on_progress(DeepProgress(done, total, path))

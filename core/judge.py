@@ -204,8 +204,17 @@ def _load_config(config_dir: str | None, config_fields: dict | None, trust: bool
     if remote and not trust:
         raise Skip(f"config.json names {remote}, a class transformers does not ship (remote "
                    "code in auto_map); pass --trust-remote-code to check against it")
-    try:
-        return AutoConfig.from_pretrained(config_dir, trust_remote_code=trust), raw
+    model_type = raw.get("model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES and not (trust and raw.get("auto_map")):
+        import transformers
+
+        raise Skip(f"transformers {transformers.__version__} does not know model_type "
+                   f"{model_type!r} of config.json" if model_type else
+                   "config.json has no model_type")
+    try:  # trust is a bool: None would make transformers prompt "[y/N]" on the terminal
+        return AutoConfig.from_pretrained(config_dir, trust_remote_code=bool(trust)), raw
     except Exception as e:  # noqa: BLE001 - unknown model_type, bad field: say why, skip
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise Skip(f"transformers cannot read config.json ({text})") from None

@@ -24,6 +24,9 @@ ADAPTER_DIR = "lora_adapter"
 #: ``load_state_dict(strict=False)``) writes the weights there are, the model card saying so
 STRICT_ONLY = frozenset({"frozen-excluded", "config-mismatch"})
 
+#: problems only ``--deep`` finds (core/deep.py): a refusal points to ``inspect --deep``
+DEEP_CODES = frozenset({"checksum-mismatch", "nan-inf", "no-checksum"})
+
 #: names of an output layer that ties to the input embedding (transformers' convention)
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
 
@@ -163,9 +166,13 @@ def parse_size(size: int | str) -> int:
     return int(float(m[1]) * mult[unit])
 
 
-def tie_word_embeddings(config_dir: str | None) -> bool | None:
+def tie_word_embeddings(config_dir: str | None, trust_remote_code: bool = False) -> bool | None:
     """``tie_word_embeddings`` of the model config in ``config_dir``; when config.json does not
-    set it, the model class's default, as transformers resolves it. None without a config."""
+    set it, the model class's default, as transformers resolves it. None without a config, or
+    when the config class is remote code (``auto_map``) not trusted: ``trust_remote_code`` is
+    passed to ``AutoConfig.from_pretrained`` as a bool, never None, because None makes
+    transformers ask "run the custom code? [y/N]" on the terminal
+    (transformers/dynamic_module_utils.py ``resolve_trust_remote_code``), which hangs CI."""
     cfg = read_config(config_dir)
     if cfg is None:
         return None
@@ -175,7 +182,8 @@ def tie_word_embeddings(config_dir: str | None) -> bool | None:
     try:
         from transformers import AutoConfig
 
-        return bool(AutoConfig.from_pretrained(config_dir).tie_word_embeddings)
+        return bool(AutoConfig.from_pretrained(
+            config_dir, trust_remote_code=bool(trust_remote_code)).tie_word_embeddings)
     except Exception:  # noqa: BLE001 - unknown model type: fall back to the key's absence
         return None
 
@@ -240,8 +248,10 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
         more = f" (and {len(blocking) - 1} more problems)" if len(blocking) > 1 else ""
         hint = ("; pass --no-strict to write the weights there are" if first.code in STRICT_ONLY
                 else "")
-        raise BadCheckpointError(f"{first.message}{more}{hint}; run `shardscope inspect` for "
-                                 "the list", first.path or layout.path)
+        deep = any(p.code in DEEP_CODES for p in blocking)  # found by reading the data
+        raise BadCheckpointError(f"{first.message}{more}{hint}; run `shardscope inspect"
+                                 f"{' --deep' if deep else ''}` for the list",
+                                 first.path or layout.path)
     waived = [f"--no-strict, written anyway: {p.message}" for p in layout.errors]
     if not layout.tensors:
         raise BadCheckpointError("the checkpoint holds no model tensors", layout.path)
@@ -315,7 +325,9 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
                             alias, kept, resolver, layout.path)
             del mapping[alias]  # FSDP/DCP keep tied copies; save_pretrained writes one
     else:  # no model class to ask: transformers' usual pair, as the config says
-        tied = (tie_word_embeddings(config_dir) if config_dir
+        if options.strict:
+            raise BadCheckpointError(unchecked_refusal(verdict.skipped), layout.path)
+        tied = (tie_word_embeddings(config_dir, options.trust_remote_code) if config_dir
                 else (layout.derived_config or {}).get("tie_word_embeddings"))
         for out_name, emb in TIED_PAIRS:
             if tied and out_name in mapping and emb in mapping:
@@ -325,7 +337,11 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
             elif tied is False and out_name not in mapping and emb in mapping:
                 raise BadCheckpointError(f"the config says the embeddings are untied, but the "
                                          f"checkpoint has no {out_name}", config_dir)
-        if config_dir or derived is not None:
+        if writing:
+            warnings.append(f"--no-strict, written anyway: {verdict.summary()}; the tensors "
+                            "keep the checkpoint's own (in-memory) names, which nothing "
+                            "checked against the names save_pretrained writes")
+        elif config_dir or derived is not None:  # e.g. a side of diff: the reason alone
             warnings.append(verdict.summary())
     if verdict.mismatched:
         if options.strict:
@@ -451,6 +467,22 @@ def _check_tied(alias: TensorInfo, kept: TensorInfo, alias_name: str, kept_name:
             "false in config.json (or --hf-config) to keep it", where)
 
 
+def unchecked_refusal(why: str) -> str:
+    """The strict merge's refusal when the architecture check cannot be made (``why``: the
+    judge's reason: no config, a ``model_type`` transformers does not know, remote code not
+    trusted). Without the model class nothing vouches for the names written: training saves
+    ``model.state_dict()``, the names in memory, and transformers 5 saves some models under
+    other names (a vision-language model's ``model.language_model.*``, fused experts), which
+    only the class's ``save_pretrained`` steps give (:mod:`core.hf_names`)."""
+    fix = ("give --hf-config DIR (the model's config folder)" if why.startswith("no config")
+           else "pass --trust-remote-code to build it" if "--trust-remote-code" in why
+           else "give --hf-config DIR with a config transformers knows")
+    return (f"architecture check skipped: {why.split('; pass --')[0].split(' (pass --')[0]}: "
+            "the tensor names cannot be checked against those save_pretrained writes (a "
+            "vision-language or fused-MoE model keeps other names in memory); " + fix
+            + ", or pass --no-strict to write the checkpoint's own names unchecked")
+
+
 def _source(src: "str | TensorInfo", sources: dict[str, TensorInfo]) -> TensorInfo:
     """The tensor a mapping entry names: a stored tensor by name, or one cut by
     :func:`core.hf_names.saved_mapping`."""
@@ -508,9 +540,10 @@ def _version() -> str:
 
 
 def lora_choice(layout: CheckpointLayout, options: MergeOptions):
-    """(LoraInfo, chosen AdapterInfo) or (None, None). Raises UsageError when the user must
-    choose (mode, adapter name), when alpha is unknown or uncertain but needed, for
-    unsupported variants, and when an adapter-only checkpoint lacks ``--base-model``."""
+    """(LoraInfo, chosen AdapterInfo) or (None, None). Raises UsageError (exit 2) when the
+    user must choose (mode, adapter name), when alpha is unknown or uncertain but needed, and
+    when an adapter-only checkpoint lacks ``--base-model``; BadCheckpointError (exit 3) for a
+    LoRA variant shardscope does not support (LoRA on parameters, LoRA bias, ...)."""
     lora = layout.lora
     if lora is None or not hasattr(lora, "adapters"):
         if options.lora not in (None, "base"):
@@ -531,9 +564,10 @@ def lora_choice(layout: CheckpointLayout, options: MergeOptions):
                          "(drop it)")
     if options.lora not in lora_mod.MODES:
         raise UsageError(f"--lora must be one of {', '.join(lora_mod.MODES)}")
-    if lora.unsupported and options.lora != "base":
-        raise UsageError(f"not supported yet: {', '.join(lora.unsupported)}; --lora base "
-                         "writes the base weights alone")
+    if lora.unsupported and options.lora != "base":  # a feature, not a misuse: exit 3
+        raise BadCheckpointError(f"not supported yet: {', '.join(lora.unsupported)}; --lora "
+                                 "base writes the base weights alone", layout.path,
+                                 code="unsupported-lora")
     if lora.lora_only and not options.base_model:
         raise UsageError("the checkpoint holds LoRA adapter tensors only (no base weights, as "
                          "verl's save_lora_only writes): the base weights are needed; pass "

@@ -87,6 +87,13 @@ def _check_section(verdict) -> str:
     if verdict is None:
         return ""
     text = f"\nArchitecture check: {verdict.summary().removeprefix('architecture check ')}.\n"
+    if verdict.skipped is not None:
+        return text + ("\n## Written with --no-strict, names unchecked\n\nThe tensors keep the "
+                       "checkpoint's own names (the model's names in memory, as training "
+                       "saved them): without the model class nothing checked them against the "
+                       "names `save_pretrained` writes, which differ for some models (a "
+                       "vision-language model's `model.language_model.*`, experts kept fused "
+                       "in memory).\n")
     if not verdict.mismatched:
         return text
     text += ("\n## Written with --no-strict\n\nThese weights do not match the model class of "

@@ -232,6 +232,27 @@ def training_root(fixtures_root) -> Path:
     return cached(_cache_root().parent / f"training-{key}", write, lock="lock-training")
 
 
+def flip_largest_storage(f: Path) -> tuple[int, int]:
+    """Flip one byte in the middle of the largest tensor storage of the torch.save zip ``f``
+    (what a bad disk or copy does; the zip's CRC-32 then fails). Returns (byte where that
+    storage's data starts, its size)."""
+    import struct
+    import zipfile
+
+    z = zipfile.ZipFile(f)
+    info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(f, "r+b") as fh:
+        fh.seek(info.header_offset)
+        n, m = struct.unpack("<HH", fh.read(30)[26:30])
+        data = info.header_offset + 30 + n + m
+        pos = data + info.file_size // 2
+        fh.seek(pos)
+        b = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([b[0] ^ 0x5A]))
+    return data, info.file_size
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)

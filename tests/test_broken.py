@@ -222,19 +222,10 @@ def test_duplicate_key_across_output_shards(fixtures_root, tmp_path):
 
 
 def test_deep_finds_flipped_bytes_in_tensor_data(w3):
-    import struct
+    from conftest import flip_largest_storage
 
     f = w3 / "model_world_size_3_rank_1.pt"
-    z = zipfile.ZipFile(f)
-    info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(f, "r+b") as fh:
-        fh.seek(info.header_offset)
-        n, m = struct.unpack("<HH", fh.read(30)[26:30])
-        pos = info.header_offset + 30 + n + m + info.file_size // 2
-        fh.seek(pos)
-        b = fh.read(1)
-        fh.seek(pos)
-        fh.write(bytes([b[0] ^ 0x5A]))
+    flip_largest_storage(f)
     assert not detect(w3).problems  # metadata only: the data is not read
     r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(w3), "--deep", "--json"],
                        cwd=ROOT, capture_output=True, text=True)

@@ -110,9 +110,12 @@ def test_bad_input_one_line_errors(tmp_path):
     assert r.returncode == 2
 
 
-def test_dcp_without_config_warns_and_writes_weights(fixtures_root, tmp_path):
+def test_dcp_without_config_refuses_unless_not_strict(fixtures_root, tmp_path):
     out = tmp_path / "o"
     r = run("merge", str(fixtures_root / "w2-dcp"), "-o", str(out))
+    assert r.returncode == 3 and r.stderr.count("\n") == 1 and not out.exists()
+    assert "no config.json" in r.stderr and "--hf-config" in r.stderr
+    r = run("merge", str(fixtures_root / "w2-dcp"), "-o", str(out), "--no-strict")
     assert r.returncode == 0
     assert "no Hugging Face config found" in r.stderr
     assert (out / "model.safetensors").is_file() and not (out / "config.json").exists()

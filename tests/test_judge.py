@@ -154,10 +154,39 @@ def test_dtype_kind_and_aliases_in_compare():
     assert v.missing == ["emb"] and v.extra == ["head"]  # an alias without its tensor is extra
 
 
-def test_no_config_is_skipped_with_the_reason(fixtures_root, tmp_path):
-    plan = plan_merge(detect(fixtures_root / "w2-dcp"), MergeOptions(str(tmp_path / "o")))
+def test_no_config_is_refused_unless_not_strict(fixtures_root, tmp_path):
+    """Without a config nothing vouches for the names: strict refuses saying why, --no-strict
+    writes the stored names and says that they are unchecked."""
+    with pytest.raises(BadCheckpointError) as e:
+        plan_merge(detect(fixtures_root / "w2-dcp"), MergeOptions(str(tmp_path / "o")))
+    assert "architecture check skipped: no config.json" in e.value.message
+    assert "--hf-config" in e.value.message and "--no-strict" in e.value.message
+    plan = plan_merge(detect(fixtures_root / "w2-dcp"),
+                      MergeOptions(str(tmp_path / "o"), strict=False))
     assert plan.check.skipped and "--hf-config" in plan.check.skipped
     assert "architecture check skipped" in plan.check.summary()
+    assert any("in-memory" in w and "skipped" in w for w in plan.warnings)
+    card = plan.generated["README.md"].decode()
+    assert "names unchecked" in card and card.endswith(".\n") and not card.endswith("\n\n")
+
+
+def test_vlm_dcp_without_config_is_not_written_under_in_memory_names(models_root, tmp_path):
+    """A DCP save of Qwen2.5-VL holds ``model.language_model.*`` (its names in memory;
+    save_pretrained writes ``model.*``): without a config the merge refuses (exit 3) instead
+    of writing them with exit 0; with the config it writes save_pretrained's names."""
+    src = models_root / "qwen2_5_vl.dcp"
+    assert any(n.startswith("model.language_model.") for n in detect(src).tensors)
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "-o",
+                        str(tmp_path / "a"), "-q"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 3 and not (tmp_path / "a").exists(), r.stderr
+    assert r.stderr.count("\n") == 1 and "no config.json" in r.stderr and "--no-strict" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "-o",
+                        str(tmp_path / "b"), "--no-strict"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert "in-memory" in r.stderr and "names unchecked" in (tmp_path / "b" / "README.md").read_text()
+    merge(src, tmp_path / "c", hf_config=str(models_root / "qwen2_5_vl" / "huggingface"))
+    assert_bit_equal(load(tmp_path / "c"), load(models_root / "qwen2_5_vl.reference"))
 
 
 # -- remote code -------------------------------------------------------------------------------
@@ -221,7 +250,11 @@ def test_remote_code_is_checked_only_when_trusted(remote_folder, tmp_path):
         v.skipped
     v = check_layout(layout, trust_remote_code=True)
     assert v.ok and v.summary() == "matches TinyRemoteForCausalLM: 4/4 tensors"
-    plan = merge(remote_folder, tmp_path / "a")  # skipped: a warning, not a refusal
+    with pytest.raises(BadCheckpointError) as e:  # strict: nothing vouches for the names
+        merge(remote_folder, tmp_path / "a")
+    assert "TinyRemoteForCausalLM" in e.value.message and "--trust-remote-code" in \
+        e.value.message and "--no-strict" in e.value.message
+    plan = merge(remote_folder, tmp_path / "a", strict=False)
     assert any("skipped" in w and "--trust-remote-code" in w for w in plan.warnings)
     plan = merge(remote_folder, tmp_path / "b", trust_remote_code=True)
     assert plan.check.ok
@@ -230,6 +263,51 @@ def test_remote_code_is_checked_only_when_trusted(remote_folder, tmp_path):
     assert r.returncode == 0, r.stderr
     check_obj = json.loads(r.stdout)["check"]
     assert check_obj["skipped"] and "check-skipped" in r.stdout
+
+
+def test_remote_code_never_prompts(remote_folder, tmp_path):
+    """transformers asks "Do you wish to run the custom code? [y/N]" when trust_remote_code is
+    None: a merge or an inspect of a remote-code config must never ask (a CI job or an SSH
+    session would hang); the check says it was skipped because the class is remote code."""
+    folder = shutil.copytree(remote_folder, tmp_path / "model")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("tie_word_embeddings", None)  # the merge then asks transformers for the default
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for args in (["merge", str(folder), "-o", str(tmp_path / "o"), "--no-strict"],
+                 ["inspect", str(folder), "--check"]):
+        r = subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
+                           capture_output=True, text=True, stdin=subprocess.PIPE, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "[y/N]" not in r.stdout + r.stderr and "custom code" not in r.stdout + r.stderr
+        assert "remote code" in " ".join((r.stdout + r.stderr).split())
+
+
+def test_unknown_model_type_says_check_skipped(fixtures_root, tmp_path):
+    """A config.json whose model_type transformers does not know: inspect --check warns
+    "check skipped" with the reason (exit 0: the files are sound), a strict merge refuses
+    (exit 3, nothing vouches for the names) and --no-strict writes with the same reason."""
+    from conftest import copy_checkpoint
+
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "ck")
+    path = ck / "huggingface" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["model_type"] = "qwen2_private_fork"
+    path.write_text(json.dumps(cfg))
+    why = "does not know model_type 'qwen2_private_fork'"
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
+                              capture_output=True, text=True, stdin=subprocess.PIPE)
+
+    r = run("inspect", str(ck), "--check")
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "check-skipped" in out and why in out, r.stdout
+    r = run("merge", str(ck), "-o", str(tmp_path / "a"))
+    assert r.returncode == 3 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    assert "check skipped" in r.stderr and not (tmp_path / "a").exists()
+    r = run("merge", str(ck), "-o", str(tmp_path / "b"), "--no-strict")
+    assert r.returncode == 0 and why in r.stderr and "check skipped" in r.stderr, r.stderr
+    assert why in (tmp_path / "b" / "README.md").read_text()
 
 
 # -- inspect ------------------------------------------------------------------------------------

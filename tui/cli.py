@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the architecture check build a model class that only the config "
                         "folder's own code (auto_map) defines (runs that code)")
     m.add_argument("-v", "--verbose", action="store_true", help="log each step")
-    m.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    m.add_argument("-q", "--quiet", action="store_true",
+                   help="print errors only (no progress, warnings or summary); the exit code "
+                        "says the rest")
     # verl.model_merger's flags
     m.add_argument("--backend", choices=["fsdp", "megatron"], help=argparse.SUPPRESS)
     m.add_argument("--local_dir", help=argparse.SUPPRESS)
@@ -327,12 +329,28 @@ def cmd_inspect(args) -> int:
 
         from tui.render import render_layout
 
-        render_layout(layout, Console(), params=args.params)
+        render_layout(layout, stdout_console(), params=args.params)
         for name in args.map or ():
             from tui.sharding_map import ShardingMap
 
             Console().print(ShardingMap(layout.tensors[name], layout, height=12))
     return 3 if layout.errors else 0
+
+
+#: the width given to Rich when stdout is not a terminal: lines are never wrapped or cut there
+#: (a pipe, a file, ``grep``), only a terminal's width folds them
+PIPE_WIDTH = 1 << 16
+
+
+def stdout_console():
+    """A Rich console on stdout: the terminal's width on a terminal; else (piped, redirected)
+    one so wide that no table cell or line is wrapped or cut at Rich's default 80 columns."""
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        return console
+    return Console(width=PIPE_WIDTH)
 
 
 def add_verdict(layout, verdict) -> None:
@@ -404,7 +422,7 @@ def cmd_merge(args) -> int:
                         model_card=not args.no_card, hf_upload=repo_id, private=args.private,
                         strict=args.strict, trust_remote_code=args.trust_remote_code)
     plan = plan_merge(layout, opts)
-    for w in plan.warnings:
+    for w in plan.warnings if not args.quiet else ():  # -q: errors only, and the exit code
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
     if log:
         log(f"{layout.format}: {len(layout.tensors)} tensors, {layout.world_size} ranks -> "
@@ -418,6 +436,17 @@ def cmd_merge(args) -> int:
             result = _run_cancellable(plan, view.update, cancel, log)
     else:
         result = _run_cancellable(plan, None, cancel, log)
+    if not args.quiet:
+        _merge_summary(result, plan, started, err)
+    if repo_id:
+        return _verified_upload(result.output, repo_id, args.private, args.revision,
+                                args.commit_message, quiet=args.quiet)
+    return 0
+
+
+def _merge_summary(result, plan, started, err) -> None:
+    """The warnings the run added and the one-line summary of a finished merge (not with -q).
+    """
     for w in result.warnings[len(plan.warnings):]:
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
     from tui.format import human_bytes
@@ -428,10 +457,6 @@ def cmd_merge(args) -> int:
           f"{result.tensors} tensors, {human_bytes(result.tensor_bytes)} in {total:.2f} s "
           f"(reading the layout and planning {total - result.seconds:.2f} s, writing "
           f"{result.seconds:.2f} s at {human_bytes(rate)}/s)")
-    if repo_id:
-        return _verified_upload(result.output, repo_id, args.private, args.revision,
-                                args.commit_message)
-    return 0
 
 
 def _merge_distributed(args, path, output, repo_id, err, log) -> int:
@@ -451,7 +476,8 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
                         workers=max(1, args.workers), lora=args.lora,
                         lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
                         lora_config=args.lora_config, base_model=args.base_model,
-                        model_card=not args.no_card)
+                        model_card=not args.no_card, strict=args.strict,
+                        trust_remote_code=args.trust_remote_code)
     cancel = threading.Event()
 
     def stop(signum, frame):
@@ -477,6 +503,8 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
             signal.signal(s, h)
     from tui.format import human_bytes
 
+    if args.quiet:  # errors only, and the exit code
+        return 0
     if result is None:
         for w in warnings:
             err.print(f"[yellow]warning:[/] {w}", highlight=False)
@@ -491,9 +519,9 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
     return 0
 
 
-def _verified_upload(folder, repo_id, private, revision, message) -> int:
+def _verified_upload(folder, repo_id, private, revision, message, quiet=False) -> int:
     """Upload only a folder that passes verification (exit 3 otherwise, 4 when the upload
-    fails)."""
+    fails); ``quiet``: print nothing but errors."""
     from core import BadCheckpointError
     from core.publish import upload
     from core.verify import verify_folder
@@ -502,9 +530,11 @@ def _verified_upload(folder, repo_id, private, revision, message) -> int:
     if errors:
         raise BadCheckpointError(f"not uploaded: {errors[0].code}: {errors[0].message}",
                                  errors[0].path or folder)
-    print(f"uploading {folder} to {repo_id} ...", file=sys.stderr)
+    if not quiet:
+        print(f"uploading {folder} to {repo_id} ...", file=sys.stderr)
     url = upload(folder, repo_id, private=private, revision=revision, commit_message=message)
-    print(f"uploaded to {url}")
+    if not quiet:
+        print(f"uploaded to {url}")
     return 0
 
 
@@ -547,13 +577,16 @@ def cmd_verify(args) -> int:
 
     from core import BadCheckpointError
 
-    console = Console()
+    console = stdout_console()
     problems = verify_folder(args.path)
     if problems and problems[0].code == "not-hf-folder":
         raise BadCheckpointError(problems[0].message, args.path)
     for p in problems:
-        console.print(f"[red]{p.code}[/] {p.path or ''}: {p.message}", highlight=False)
+        color = "red" if p.severity == "error" else "yellow"
+        console.print(f"[{color}]{p.severity}: {p.code}[/] {p.path or ''}: {p.message}",
+                      highlight=False)
     errors = [p for p in problems if p.severity == "error"]
+    warnings = [p for p in problems if p.severity != "error"]
     if args.reference:
         diffs = compare(args.path, args.reference, args.atol, args.rtol)
         if diffs:
@@ -565,7 +598,19 @@ def cmd_verify(args) -> int:
         console.print(f"[green]all tensors match[/] {args.reference}"
                       + (" bit for bit" if not (args.atol or args.rtol) else ""))
     if errors:
+        console.print(f"[red]not ok[/] {args.path}: {len(errors)} error(s) ("
+                      + ", ".join(dict.fromkeys(p.code for p in errors)) + ")"
+                      + (f" and {len(warnings)} warning(s)" if warnings else ""),
+                      highlight=False)
         return 1
+    if warnings:  # the verdict names every problem listed above, never a bare "ok"
+        console.print(f"[yellow]{len(warnings)} warning(s)[/] {args.path}: "
+                      + ", ".join(dict.fromkeys(p.code for p in warnings))
+                      + "; the weights are sound"
+                      + (", but without config.json from_pretrained cannot load the folder"
+                         if any(p.code == "no-config" for p in warnings) else ""),
+                      highlight=False)
+        return 0
     console.print(f"[green]ok[/] {args.path}")
     return 0
 

@@ -195,10 +195,11 @@ def read(path: str) -> CheckpointLayout:
         if sf.status == "missing":
             layout.problems.append(Problem("missing-file", f".metadata names {rel}, which is "
                                            "missing", fpath))
-        elif sf.bytes < need:
-            sf.status = "unreadable"
-            layout.problems.append(Problem("truncated-file", f"{rel} is {sf.bytes} bytes, "
-                                           f".metadata needs {need}: truncated", fpath))
+        elif sf.bytes != need:  # only then read a few header bytes: inspect stays cheap
+            wrong = _misplaced(fpath, ranges.get(rel, ()))
+            if wrong is not None or sf.bytes < need:
+                sf.status = "unreadable"
+                layout.problems.append(_size_problem(rel, fpath, sf.bytes, need, wrong, files))
     # every file a storage entry names belongs to the checkpoint, also those holding only
     # skipped items (optimizer, train_state) as a one-file-per-item writer leaves them
     named = {info.get("relative_path") for info in storage.values() if isinstance(info, Record)}
@@ -217,6 +218,51 @@ def read(path: str) -> CheckpointLayout:
     cfg = _config_dir(Path(path), d)
     attach_config(layout, cfg)
     return layout
+
+
+#: the first bytes of a zip local file header: every chunk ``FileSystemWriter`` writes is a
+#: ``torch.save`` zip archive starting at its storage entry's ``offset``
+#: (torch/distributed/checkpoint/filesystem.py ``_write_item``; zip: PKWARE APPNOTE 4.3.7)
+ZIP_LOCAL = b"PK\x03\x04"
+
+
+def _misplaced(fpath: str, spans) -> tuple[int, int, str, int] | None:
+    """For a ``.distcp`` file whose size is not the one ``.metadata`` implies: (chunks that do
+    not start with a zip header where .metadata places them, chunks looked at, the first
+    such tensor, its byte) — or None when every chunk inside the file starts where it should
+    (then a short file is truncated). ``spans``: (start, length, tensor) per chunk."""
+    bad, seen, first = 0, 0, None
+    try:
+        with open(fpath, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            for start, _, name in spans:
+                if start + len(ZIP_LOCAL) > size:
+                    continue  # beyond the end: truncation, said by the sizes
+                f.seek(start)
+                seen += 1
+                if f.read(len(ZIP_LOCAL)) != ZIP_LOCAL:
+                    bad += 1
+                    first = first or (name, start)
+    except OSError:
+        return None
+    return (bad, seen, *first) if bad else None
+
+
+def _size_problem(rel: str, fpath: str, size: int, need: int, wrong, files: dict) -> Problem:
+    """``truncated-file`` when the file is short and every chunk it still holds is in place;
+    ``file-mismatch`` when the file does not hold the records .metadata places in it (another
+    file under this name: swapped, renamed or overwritten), naming the file whose size it has."""
+    if wrong is None:
+        return Problem("truncated-file", f"{rel} is {size} bytes, .metadata needs {need}: "
+                       "truncated", fpath)
+    bad, seen, name, at = wrong
+    other = sorted(r for r, n in files.items() if n == size and r != rel)
+    hint = (f"; its size is the one .metadata gives {other[0]}: the files may be swapped or "
+            "renamed" if other else "; another file under this name")
+    return Problem("file-mismatch", f"{rel} does not hold the records .metadata places in "
+                   f"it: {bad} of {seen} chunks are not where .metadata says (the first, of "
+                   f"{name}, at byte {at}); it is {size} bytes, .metadata needs {need}{hint}",
+                   fpath)
 
 
 def _config_dir(path: Path, d: Path) -> Path | None:

@@ -536,8 +536,11 @@ def _disagreeing_copies(copies: list[tuple[str, Piece, Piece]]) -> list[str]:
     compared as raw bytes; others element row by row through their strides)."""
     from ..dtypes import ITEMSIZE
 
+    from ..execute import _piece_bytes, _Sources  # the merge's strided reader (numpy)
+
     bad: list[str] = []
     handles: dict[str, object] = {}
+    sources = _Sources()
     try:
         for name, a, c in copies:
             if name in bad or a.dtype != c.dtype:
@@ -547,11 +550,13 @@ def _disagreeing_copies(copies: list[tuple[str, Piece, Piece]]) -> list[str]:
             if a.contiguous and c.contiguous:
                 if not _same_bytes(handles, a, c, a.numel * size):
                     bad.append(name)
-            elif _raw(handles, a, size) != _raw(handles, c, size):
+            elif (_piece_bytes(a, sources).tobytes()
+                  != _piece_bytes(c, sources).tobytes()):
                 bad.append(name)
     finally:
         for f in handles.values():
             f.close()
+        sources.close()
     return bad
 
 
@@ -570,30 +575,6 @@ def _same_bytes(handles: dict, a: Piece, c: Piece, nbytes: int, block: int = 1 <
         if fa.read(n) != fc.read(n):
             return False
     return True
-
-
-def _raw(handles: dict, p: Piece, size: int) -> bytes:
-    """The bytes of piece ``p`` in C order, read through its strides (``size``: item size)."""
-    f = _handle(handles, p.file)
-    if not p.shape:
-        f.seek(p.byte_offset)
-        return f.read(size)
-    inner, inner_stride = p.shape[-1], p.stride[-1]
-    out = bytearray()
-    outer = p.shape[:-1]
-    for idx in range(math.prod(outer)):
-        off, rem = 0, idx
-        for n, st in zip(reversed(outer), reversed(p.stride[:-1])):
-            off += (rem % n) * st
-            rem //= n
-        f.seek(p.byte_offset + off * size)
-        if inner_stride == 1:
-            out += f.read(inner * size)
-        else:
-            row = f.read(((inner - 1) * inner_stride + 1) * size)
-            out += b"".join(row[k * inner_stride * size:(k * inner_stride + 1) * size]
-                            for k in range(inner))
-    return bytes(out)
 
 
 def read(path: str, present_only: bool = False) -> CheckpointLayout:

@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 
-from core import CheckpointLayout, MergeOptions, UsageError
+from core import CheckpointLayout, MergeOptions, ShardscopeError, UsageError
 from core.plan import check_output, parse_size
 
 DTYPES = [("keep (as trained)", "keep"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
@@ -191,7 +191,7 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
     def _submit(self) -> None:
         try:
             opts = self.options()
-        except UsageError as e:
+        except ShardscopeError as e:  # a usage error, or a LoRA variant not supported (3)
             self.query_one("#error", Static).update(f"[red]{escape(form_words(str(e)))}[/]")
             return
         self.dismiss(opts)

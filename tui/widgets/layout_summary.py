@@ -61,5 +61,28 @@ class LayoutSummary(Static):
         self.checkpoint = layout
 
     def show_check(self, verdict) -> None:
-        """Add the architecture check's result (a :class:`core.judge.Verdict`)."""
+        """Add the architecture check's result (a :class:`core.judge.Verdict`): the whole line
+        last in the summary, and its short form in the box's bottom border, which stays in
+        sight however narrow or short the terminal (at 80x24 the summary scrolls)."""
         self.update(summary_text(self.checkpoint, verdict))
+        color = "green" if verdict.ok else "yellow" if verdict.skipped else "red"
+        self.border_subtitle = f"[{color}]{escape(check_short(verdict))}[/]"
+
+
+def check_short(verdict) -> str:
+    """The architecture check's verdict in at most about 30 columns (the summary box's border
+    at 80x24): ``check: matches, 27/27``, ``check: 3 missing, 1 extra``, ``check skipped: no
+    config``; the summary's last line has the whole of it."""
+    if verdict.skipped is not None:
+        why = verdict.skipped
+        short = ("no config" if why.startswith("no config")
+                 else "remote code" if "remote code" in why
+                 else "unknown model_type" if "does not know model_type" in why
+                 else "see below")
+        return f"check skipped: {short}"
+    if verdict.ok:
+        return f"check: matches, {verdict.matched}/{verdict.expected}"
+    kinds = [f"{len(items)} {label}" for label, items in (
+        ("missing", verdict.missing), ("extra", verdict.extra), ("shape", verdict.shape),
+        ("dtype", verdict.dtype)) if items]
+    return "check: " + ", ".join(kinds[:2]) + (", ..." if len(kinds) > 2 else "")
