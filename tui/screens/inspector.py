@@ -253,9 +253,11 @@ class InspectorScreen(Screen):
     def action_compare(self) -> None:
         from tui.screens.compare import ComparePathScreen, CompareScreen
 
-        def start(path: str | None) -> None:
-            if path:
-                self.app.push_screen(CompareScreen(self.ckpt.path, path))
+        def start(choice: dict | None) -> None:
+            if choice:
+                self.app.push_screen(CompareScreen(self.ckpt.path, choice["path"],
+                                                   lora=choice["lora"],
+                                                   hf_config=choice["hf_config"]))
 
         self.app.push_screen(ComparePathScreen(), start)
 
