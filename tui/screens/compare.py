@@ -222,6 +222,7 @@ class CompareScreen(Screen):
                 tree = ParamTree({}, label=diff_label, group_note=group_note, rank=change_rank,
                                  id="diff-tree")
                 tree.border_title = "tensors, by change"
+                tree.border_subtitle = "change: ||B-A||/||A||"
                 yield tree
                 detail = Static("", id="diff-detail")
                 detail.border_title = "selected tensor"

@@ -155,8 +155,10 @@ class ParamTree(Tree[Any]):
                                    expand=expand)
                 if self.rank is not None:
                     nums.sort(key=lambda n: self._top(v[n]), reverse=True)
-                for n in nums:
-                    self._add(group.add(self._group_label(n, v[n]), expand=bool(self.query)),
-                              v[n], expand)
+                for i, n in enumerate(nums):
+                    # ordered by rank, the first block (the layer that moved most) is open
+                    opened = bool(self.query) or (self.rank is not None and i == 0)
+                    self._add(group.add(self._group_label(n, v[n]), expand=opened), v[n],
+                              expand)
             else:
                 self._add(parent.add(self._group_label(k, v), expand=expand), v, expand)
