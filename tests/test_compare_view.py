@@ -254,3 +254,30 @@ def test_compare_view_80x24(snap_compare, training_root):
 
 def test_compare_view_120x40(snap_compare, training_root):
     assert _snapshot(snap_compare, training_root, (120, 40))
+
+
+@pytest.mark.asyncio
+async def test_a_lora_side_is_folded_or_its_base_taken_as_chosen(fixtures_root):
+    """The open checkpoint holds a LoRA adapter: folded (the form's default) it is the same
+    model as peft's merge_and_unload, bit for bit; its base alone equals the base."""
+    from tui.screens.compare import ComparePathScreen, CompareScreen
+
+    lora = fixtures_root / "w2-lora-qv"
+    app = make_app(str(lora))
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_compare(pilot, app, fixtures_root / "w2-lora-qv.fold")
+        assert screen.result is not None and screen.result.same
+        assert all(t.status == "identical" for t in screen.result.tensors)
+        assert "identical bit for bit" in str(screen.query_one("#diff-summary").render())
+        await pilot.press("escape")
+        await inspector_ready(pilot, app)
+        await pilot.press("c")
+        await wait_for(pilot, lambda: isinstance(app.screen, ComparePathScreen)
+                       and app.screen.is_mounted)
+        app.screen.query_one("#compare-lora").value = "base"
+        app.screen.query_one("#compare-path").value = str(fixtures_root / "w2-lora-qv.base")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen))
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.finished, tries=2400)
+        assert screen.lora == "base" and screen.result is not None and screen.result.same
