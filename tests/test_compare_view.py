@@ -198,16 +198,20 @@ async def test_a_damaged_copy_shows_each_verdict_and_names_the_tensor(fixtures_r
 
 @pytest.mark.asyncio
 async def test_escape_cancels_a_running_diff(fixtures_root, monkeypatch):
-    """The diff is held inside its first tensor until escape was pressed: the screen says it
-    was cancelled, and a second escape goes back to the inspector."""
+    """The diff is held inside its second tensor until escape was pressed: the progress bar
+    shows the first one done, the screen says the diff was cancelled, and a second escape
+    goes back to the inspector."""
     import core.diff
 
     pressed, entered = threading.Event(), threading.Event()
     real = core.diff._compare
+    calls = []
 
     def held(*args, **kw):
-        entered.set()
-        pressed.wait(60)
+        calls.append(args[0])
+        if len(calls) == 2:
+            entered.set()
+            pressed.wait(60)
         return real(*args, **kw)
 
     monkeypatch.setattr(core.diff, "_compare", held)
@@ -216,12 +220,17 @@ async def test_escape_cancels_a_running_diff(fixtures_root, monkeypatch):
         screen = await open_compare(pilot, app, fixtures_root / "w2-qwen2-f32.reference",
                                     tries=0)
         await wait_for(pilot, entered.is_set, tries=2400)
+        bar = screen.query_one("#diff-progress")
+        await wait_for(pilot, lambda: bar.total == 27 and bar.progress == 1)
+        assert str(screen.query_one("#diff-status").render()).startswith(f"1/27 {calls[0]}")
         await pilot.press("escape")
         await wait_for(pilot, screen.cancel.is_set)
         pressed.set()
         await wait_for(pilot, lambda: screen.finished, tries=400)
         assert screen.cancelled and screen.result is None
-        assert "cancelled after" in str(screen.query_one("#diff-status").render())
+        # the held tensor is finished, no third one is started (cancel between tensors)
+        assert len(calls) == 2
+        assert "cancelled after 2 tensor" in str(screen.query_one("#diff-status").render())
         assert not any(w.group == "diff" and w.is_running for w in app.workers)
         await pilot.press("escape")
         await inspector_ready(pilot, app)
