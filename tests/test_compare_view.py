@@ -26,6 +26,10 @@ async def open_compare(pilot, app, other, tries: int = 2400):
     await pilot.press("c")
     await wait_for(pilot, lambda: isinstance(app.screen, ComparePathScreen)
                    and app.screen.is_mounted)
+    field = app.screen.query_one("#compare-path")
+    # the field starts at the open checkpoint's folder
+    assert field.value == str(app.screen_stack[-2].ckpt.path).rsplit("/", 1)[0] + "/"
+    field.value = ""
     await pilot.press(*str(other), "enter")
     await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen)
                    and app.screen.is_mounted)
@@ -284,7 +288,12 @@ async def test_a_lora_side_is_folded_or_its_base_taken_as_chosen(fixtures_root):
         await wait_for(pilot, lambda: isinstance(app.screen, ComparePathScreen)
                        and app.screen.is_mounted)
         app.screen.query_one("#compare-lora").value = "base"
-        app.screen.query_one("#compare-path").value = str(fixtures_root / "w2-lora-qv.base")
+        # the field starts in the checkpoint's folder; a sibling's name completes with →
+        field = app.screen.query_one("#compare-path")
+        await pilot.press(*"w2-lora-qv.b")
+        await wait_for(pilot, lambda: field._suggestion.endswith("w2-lora-qv.base"))
+        await pilot.press("right")
+        assert field.value == str(fixtures_root / "w2-lora-qv.base")
         await pilot.press("enter")
         await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen))
         screen = app.screen

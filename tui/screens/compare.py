@@ -22,10 +22,30 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
+from textual.suggester import Suggester
 from textual.widgets import Button, Footer, Header, Input, Label, ProgressBar, Select, Static, Tree
 
 from tui.messages import DiffFailed, DiffFinished
 from tui.widgets.param_tree import ParamTree
+
+
+class FolderSuggester(Suggester):
+    """Completes the last part of a typed path with the first sub-folder of its parent that
+    starts with it (right arrow takes it), so a sibling step is a few keys away."""
+
+    def __init__(self) -> None:
+        super().__init__(use_cache=False, case_sensitive=True)
+
+    async def get_suggestion(self, value: str) -> str | None:
+        head, tail = os.path.split(value)
+        folder = os.path.expanduser(head) or "."
+        try:
+            names = sorted(e.name for e in os.scandir(folder)
+                           if e.is_dir() and e.name.startswith(tail) and e.name != tail
+                           and not e.name.startswith("."))
+        except OSError:
+            return None
+        return os.path.join(head, names[0]) if names else None
 
 
 class ComparePathScreen(ModalScreen[dict | None]):
@@ -35,10 +55,17 @@ class ComparePathScreen(ModalScreen[dict | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
+    def __init__(self, start: str = "") -> None:
+        super().__init__()
+        #: the path the field starts with (the open checkpoint's parent folder)
+        self.start = start
+
     def compose(self) -> ComposeResult:
         with Vertical(id="compare-form"):
-            yield Label("compare with the checkpoint at (any format):")
-            yield Input(placeholder="path of the second checkpoint", id="compare-path")
+            yield Label("compare with the checkpoint at (any format; → completes a folder):")
+            yield Input(self.start, placeholder="path of the second checkpoint",
+                        suggester=FolderSuggester(), select_on_focus=False,
+                        id="compare-path")
             yield Label("a side holding a LoRA adapter:")
             yield Select([("fold the adapter into its base (as merge --lora fold)", "fold"),
                           ("its base weights alone (--lora base)", "base")],
@@ -323,6 +350,9 @@ class CompareScreen(Screen):
         leaf = tree.first_leaf()
         if leaf is not None:
             tree.reveal(leaf)
+            # said here too: a cursor that stays on the same line after a rebuild posts no
+            # NodeHighlighted, and the panel would keep the previous tensor
+            self.query_one("#diff-detail", Static).update(detail_text(leaf.data))
         else:
             self.query_one("#diff-detail", Static).update("[dim]no tensor matches[/]")
 

@@ -259,7 +259,8 @@ class InspectorScreen(Screen):
                                                    lora=choice["lora"],
                                                    hf_config=choice["hf_config"]))
 
-        self.app.push_screen(ComparePathScreen(), start)
+        parent = os.path.dirname(os.path.abspath(self.ckpt.path))
+        self.app.push_screen(ComparePathScreen(os.path.join(parent, "")), start)
 
     def action_merge(self) -> None:
         from tui.screens.merge_options import MergeOptionsScreen
