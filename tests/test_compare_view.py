@@ -299,3 +299,46 @@ async def test_a_lora_side_is_folded_or_its_base_taken_as_chosen(fixtures_root):
         screen = app.screen
         await wait_for(pilot, lambda: screen.finished, tries=2400)
         assert screen.lora == "base" and screen.result is not None and screen.result.same
+
+
+RACE = """
+import sys, threading
+from core.diff import output_tensors
+from core.formats import detect
+from core.judge import check_layout
+
+a, b = sys.argv[1], sys.argv[2]
+errors, start = [], threading.Barrier(2)
+
+def run(f):
+    start.wait()
+    try:
+        f()
+    except BaseException as e:
+        errors.append(f"{type(e).__name__}: {e}")
+
+ts = [threading.Thread(target=run, args=(lambda: check_layout(detect(a)),)),
+      threading.Thread(target=run, args=(lambda: output_tensors(b),))]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+print(errors)
+sys.exit(1 if errors else 0)
+"""
+
+
+def test_the_background_check_and_a_diff_build_models_in_turn(fixtures_root):
+    """The inspector's architecture check and the compare view's diff run in two threads of
+    one fresh process, both importing transformers' Qwen2 class: without the judge's build lock
+    one of them failed ("module 'transformers' has no attribute 'Qwen2ForCausalLM'") and the
+    compare view never finished."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-c", RACE, str(fixtures_root / "w2-qwen2-f32"),
+                        str(fixtures_root / "w2-qwen2-f32.reference")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
