@@ -229,6 +229,8 @@ def diff_checkpoints(a: str, b: str, atol: float = 0.0, rtol: float = 0.0,
     130). Raises :class:`BadCheckpointError`/:class:`UsageError` as :func:`output_tensors`.
     """
     la, wa, ta = output_tensors(a, side_a)
+    if cancel is not None and cancel.is_set():  # planning a side builds its model: seconds
+        raise MergeCancelled("diff cancelled")
     lb, wb, tb = output_tensors(b, side_b)
     warnings = [f"A: {w}" for w in wa if not w.startswith("no Hugging Face config")] + \
                [f"B: {w}" for w in wb if not w.startswith("no Hugging Face config")]

@@ -167,6 +167,11 @@ class Skip(Exception):
 _cache: dict[tuple, Any] = {}  # (config key, class name or "") -> Expected/candidates or Skip
 _models: dict[tuple, Any] = {}  # (config key, class name) -> meta model or Skip
 _lock = threading.Lock()
+#: held while a class is imported and built: transformers' lazy module (``getattr(transformers,
+#: "Qwen2ForCausalLM")``) raised AttributeError in one thread while another thread was importing
+#: the same model module (the app's background check and a compare view's diff); one build at a
+#: time, and the second caller then finds the first one's result in the cache
+_build_lock = threading.RLock()
 
 
 def _config_key(config_dir: str | None, config_fields: dict | None, trust: bool) -> tuple:
@@ -360,9 +365,13 @@ def _expected_cached(key: tuple, cls_name: str, build) -> Expected:
     with _lock:
         hit = _cache.get((key, cls_name))
     if hit is None:
-        hit = build()
-        with _lock:
-            _cache[(key, cls_name)] = hit
+        with _build_lock:
+            with _lock:
+                hit = _cache.get((key, cls_name))
+            if hit is None:
+                hit = build()
+                with _lock:
+                    _cache[(key, cls_name)] = hit
     if isinstance(hit, Skip):
         raise hit
     return hit
@@ -523,12 +532,16 @@ def _model_cached(key: tuple, name: str, get_cls, config):
     with _lock:
         hit = _models.get((key, name))
     if hit is None:
-        try:
-            hit = build_model(get_cls(), config)
-        except Skip as e:
-            hit = e
-        with _lock:
-            hit = _models.setdefault((key, name), hit)
+        with _build_lock:
+            with _lock:
+                hit = _models.get((key, name))
+            if hit is None:
+                try:
+                    hit = build_model(get_cls(), config)
+                except Skip as e:
+                    hit = e
+                with _lock:
+                    hit = _models.setdefault((key, name), hit)
     if isinstance(hit, Skip):
         raise hit
     return hit

@@ -318,37 +318,6 @@ async def test_inspector_shows_the_architecture_check_in_the_background(fixtures
 
 
 @pytest.mark.asyncio
-async def test_compare_view_sorts_by_change_and_filters(fixtures_root):
-    from tui.screens.compare import CompareScreen
-
-    app = make_app(str(fixtures_root / "w2-lora-qv.base"))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await open_inspector(pilot, app)
-        await pilot.press("c")
-        await pilot.press(*str(fixtures_root / "w2-lora-qv.fold"), "enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen))
-        screen = app.screen
-        await wait_for(pilot, lambda: screen.result is not None, tries=600)
-        table = screen.query_one("#diff-table")
-        names = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
-        assert len(names) == 27
-        # the four folded projections first (largest relative change), then the identical
-        assert all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in names[:4])
-        assert not any(n.endswith(("q_proj.weight", "v_proj.weight")) for n in names[4:])
-        assert "model.layers.0" in str(screen.query_one("#diff-layers").render())
-        await pilot.press("o")
-        await wait_for(pilot, lambda: not screen.by_change)
-        names = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
-        from core.plan import natural_key
-
-        assert names == sorted(names, key=natural_key) and names[0] == "lm_head.weight"
-        await pilot.press("slash", *"v_proj.w")
-        await wait_for(pilot, lambda: table.row_count == 2)
-        await pilot.press("escape", "escape")
-        await inspector_ready(pilot, app)
-
-
-@pytest.mark.asyncio
 async def test_form_offers_no_strict_for_weights_that_do_not_match_the_model(fixtures_root,
                                                                             tmp_path):
     """w3-buffers holds three buffers Qwen2 does not define: the merge is refused, in the

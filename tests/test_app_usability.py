@@ -182,12 +182,13 @@ async def test_form_labels_lora_fields_and_speaks_its_own_words(fixtures_root, t
 def test_help_lists_every_binding():
     """Item 7: every key a screen binds is in the help, and tab, space, s, n are explained."""
     from tui.screens.browser import BrowserScreen
+    from tui.screens.compare import CompareScreen
     from tui.screens.help import KEYS
     from tui.screens.merge_run import MergeRunScreen
 
     listed = {k.strip() for _, rows in KEYS for keys, _ in rows for k in keys.split(",")}
     names = {"slash": "/", "question_mark": "?"}
-    for screen in (BrowserScreen, InspectorScreen, MergeRunScreen):
+    for screen in (BrowserScreen, InspectorScreen, MergeRunScreen, CompareScreen):
         for b in screen.BINDINGS:
             for key in b.key.split(","):
                 assert names.get(key, key) in listed, (screen.__name__, key)

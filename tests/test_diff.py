@@ -209,3 +209,85 @@ def test_a_bf16_merge_against_its_fp32_source(fixtures_root, tmp_path):
     assert all(t["dtype_b"] == "BF16" and t["cosine"] > 0.999 for t in d["tensors"])
     code, d = diff_json(src, tmp_path / "m", "--dtype", "bf16")
     assert code == 0 and d["counts"]["identical"] == len(d["tensors"])
+
+
+# -- the issue's other bullets, each against main's diff (issue 17) --------------------------
+
+from test_deepspeed import ds_root  # noqa: E402,F401 - the DeepSpeed fixture, shared
+
+
+def test_a_deepspeed_run_and_a_dcp_run_against_their_references(ds_root, fixtures_root):
+    """Pairings of other formats: DeepSpeed ZeRO-2 (fp32 master weights from the optimizer
+    partitions) and a DCP folder (no config) against save_pretrained folders."""
+    code, d = diff_json(ds_root / "ds-z2-w2", ds_root / "ds-z2-w2.reference")
+    assert code == 0 and d["format_a"] == "deepspeed" and d["same"]
+    assert d["counts"]["identical"] == len(d["tensors"]) > 10
+    code, d = diff_json(fixtures_root / "w2-dcp", fixtures_root / "w2-dcp.reference")
+    assert code == 0 and d["format_a"] == "dcp"
+    assert d["counts"]["identical"] == len(d["tensors"]) > 10
+    # DeepSpeed against an FSDP run of another model: exit 1, every name reported once
+    code, d = diff_json(ds_root / "ds-z2-w2", fixtures_root / "w2-dcp.reference")
+    assert code == 1
+    names = [t["name"] for t in d["tensors"]]
+    assert len(names) == len(set(names))
+
+
+def test_rtol_is_relative_to_a(fixtures_root, tmp_path):
+    """--rtol as torch.isclose: |B-A| <= atol + rtol*|A| elementwise."""
+    name = "model.layers.0.self_attn.k_proj.weight"
+
+    def scale(t):
+        t[name] = t[name] * 1.001  # every element moved by 0.1 % of itself
+
+    out = _damaged(fixtures_root, tmp_path, scale)
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    code, d = diff_json(ref, out, "--rtol", "1e-2")
+    assert code == 0 and by_name(d)[name]["status"] == "close" and d["rtol"] == 0.01
+    code, d = diff_json(ref, out, "--rtol", "1e-4")
+    t = by_name(d)[name]
+    assert code == 1 and t["status"] == "changed"
+    assert t["rel_change"] == pytest.approx(1e-3, rel=1e-2)
+    assert t["differing"] > 0.9 * t["shape_a"][0] * t["shape_a"][1]  # few zeros
+
+
+def test_identical_tensors_are_compared_as_stored_bits_without_decoding(fixtures_root,
+                                                                         monkeypatch):
+    """A sharded run against its reference: no tensor is decoded through torch
+    (read_output_tensor is only for tensors whose bits differ); the one changed tensor of a
+    damaged copy is the only one decoded."""
+    import core.read
+    from core.diff import diff_checkpoints
+
+    decoded = []
+    real = core.read.read_output_tensor
+
+    def spy(t, sources):
+        decoded.append(t.name)
+        return real(t, sources)
+
+    monkeypatch.setattr(core.read, "read_output_tensor", spy)
+    r = diff_checkpoints(str(fixtures_root / "w2-qwen2-f32"),
+                         str(fixtures_root / "w2-qwen2-f32.reference"))
+    assert r.same and decoded == []
+    assert all(t.norm_a is not None and t.norm_a > 0 for t in r.tensors)  # per-layer sums
+
+
+def test_ctrl_c_in_the_command_exits_130(fixtures_root, monkeypatch, capsys):
+    """Ctrl-C (KeyboardInterrupt) during the comparison: one line, exit 130, no output."""
+    import core.diff
+    from tui.cli import main
+
+    seen = []
+    real = core.diff._compare
+
+    def interrupted(name, *args):
+        seen.append(name)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return real(name, *args)
+
+    monkeypatch.setattr(core.diff, "_compare", interrupted)
+    code = main(["diff", str(fixtures_root / "w2-qwen2-f32"),
+                 str(fixtures_root / "w2-qwen2-f32.reference"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 130 and "interrupted" in err and out == "" and len(seen) == 3

@@ -70,3 +70,19 @@ class ArchitectureChecked(Message):
     :class:`core.judge.Verdict` on the checkpoint against its config's model class."""
 
     verdict: object
+
+
+@dataclass
+class DiffFinished(Message):
+    """The compare view's diff finished: ``result`` is its :class:`core.diff.DiffResult`."""
+
+    result: object
+
+
+@dataclass
+class DiffFailed(Message):
+    """The compare view's diff stopped: cancelled (``cancelled``, escape) or refused with
+    ``error`` (one line naming the checkpoint and the cause)."""
+
+    error: str
+    cancelled: bool

@@ -30,6 +30,11 @@ KEYS: list[tuple[str, list[tuple[str, str]]]] = [
         ("m", "merge into a Hugging Face folder"),
         ("escape", "back to the browser"),
     ]),
+    ("compare view", [
+        ("o", "sort the tree by change (largest first) or by name"),
+        ("/", "filter the tree (fuzzy); enter jumps to the first match, escape clears"),
+        ("escape", "cancel a running comparison, then back to the inspector"),
+    ]),
     ("merge form", [
         ("tab", "next field (shift+tab: previous)"),
         ("space", "tick or untick a checkbox; open a list"),

@@ -253,11 +253,14 @@ class InspectorScreen(Screen):
     def action_compare(self) -> None:
         from tui.screens.compare import ComparePathScreen, CompareScreen
 
-        def start(path: str | None) -> None:
-            if path:
-                self.app.push_screen(CompareScreen(self.ckpt.path, path))
+        def start(choice: dict | None) -> None:
+            if choice:
+                self.app.push_screen(CompareScreen(self.ckpt.path, choice["path"],
+                                                   lora=choice["lora"],
+                                                   hf_config=choice["hf_config"]))
 
-        self.app.push_screen(ComparePathScreen(), start)
+        parent = os.path.dirname(os.path.abspath(self.ckpt.path))
+        self.app.push_screen(ComparePathScreen(os.path.join(parent, "")), start)
 
     def action_merge(self) -> None:
         from tui.screens.merge_options import MergeOptionsScreen

@@ -1,12 +1,18 @@
 """The parameter tree: tensors grouped by their dotted names, numeric groups (layers) sorted
 numerically and labelled ``layers.0..27``; a fuzzy filter narrows it. For a checkpoint whose
-reader renamed tensors (Megatron), it can group them under the names they come from instead."""
+reader renamed tensors (Megatron), it can group them under the names they come from instead.
+
+One widget serves the inspector (leaves carry :class:`core.TensorInfo`) and the compare view
+(leaves carry :class:`core.diff.TensorDiff`): a leaf's data is any object with a ``name``; the
+caller may give the leaf label, a note for each group (e.g. how many of its tensors changed),
+and an order (siblings by the largest rank found under them, e.g. the largest change first)."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from textual.widgets import Tree
 
-from core import TensorInfo
 from core.plan import natural_key
 from tui.format import human_bytes, human_count
 
@@ -25,12 +31,30 @@ def fuzzy_match(query: str, name: str) -> bool:
     return True
 
 
-class ParamTree(Tree[TensorInfo]):
-    """A ``Tree`` whose leaves carry :class:`TensorInfo` as data."""
+def tensor_label(key: str, v) -> str:
+    """The inspector's leaf: last name part, shape, dtype, placement, size."""
+    return (f"{key}  [b]{list(v.shape)}[/] {v.dtype} {v.placement} "
+            f"[dim]{human_count(v.numel)} el, {human_bytes(v.nbytes)}[/]")
 
-    def __init__(self, tensors: dict[str, TensorInfo], **kw):
+
+class ParamTree(Tree[Any]):
+    """A ``Tree`` whose leaves carry the items of ``tensors`` (name -> object with ``name``,
+    by default :class:`TensorInfo`) as data; group nodes carry None.
+
+    ``label(key, item)``: a leaf's markup (``key`` is the last part of its path).
+    ``group_note(items)``: markup appended to a group's label, for the items under it.
+    ``rank(item)``: when given (see :meth:`set_rank`), siblings are ordered by the largest
+    rank under them, largest first (ties keep the natural name order)."""
+
+    def __init__(self, tensors: dict[str, Any],
+                 label: Callable[[str, Any], str] = tensor_label,
+                 group_note: Callable[[list], str] | None = None,
+                 rank: Callable[[Any], Any] | None = None, **kw):
         super().__init__("parameters", **kw)
         self.tensors = tensors
+        self.label_of = label
+        self.group_note = group_note
+        self.rank = rank
         self.query = ""
         self.by_source = False
         self.show_root = False
@@ -44,6 +68,16 @@ class ParamTree(Tree[TensorInfo]):
         self.query = query
         self.rebuild()
 
+    def set_items(self, tensors: dict[str, Any]) -> None:
+        """Show ``tensors`` instead (same label, note and order)."""
+        self.tensors = tensors
+        self.rebuild()
+
+    def set_rank(self, rank: Callable[[Any], Any] | None) -> None:
+        """Order siblings by ``rank`` (largest first), or by name when None."""
+        self.rank = rank
+        self.rebuild()
+
     def set_by_source(self, on: bool) -> None:
         """Group by the names the tensors come from (``TensorInfo.source``, e.g. Megatron's),
         each source listing the Hugging Face tensors cut from it; or by their own names."""
@@ -53,9 +87,9 @@ class ParamTree(Tree[TensorInfo]):
 
     def _key(self, name: str) -> list[str]:
         """The path of a tensor's leaf in the tree."""
-        t = self.tensors[name]
-        if self.by_source and t.source:
-            return t.source.split(".") + [name]
+        source = getattr(self.tensors[name], "source", None)
+        if self.by_source and source:
+            return source.split(".") + [name]
         return name.split(".")
 
     def first_leaf(self):
@@ -67,6 +101,14 @@ class ParamTree(Tree[TensorInfo]):
                 return node
             stack[:0] = list(node.children)
         return None
+
+    def reveal(self, node) -> None:
+        """Expand ``node``'s parents and put the cursor on it."""
+        p = node.parent
+        while p is not None:
+            p.expand()
+            p = p.parent
+        self.move_cursor(node)
 
     def rebuild(self) -> None:
         self.clear()
@@ -83,18 +125,40 @@ class ParamTree(Tree[TensorInfo]):
         self._add(self.root, nested, expand=bool(self.query) or len(names) < 40)
         self.root.expand()
 
+    def _items(self, v) -> list:
+        """The leaf items under ``v`` (a leaf item or a nested dict)."""
+        if not isinstance(v, dict):
+            return [v]
+        return [x for c in v.values() for x in self._items(c)]
+
+    def _top(self, v):
+        return max(self.rank(x) for x in self._items(v))
+
+    def _group_label(self, text: str, v) -> str:
+        if self.group_note is None:
+            return text
+        return f"{text}  {self.group_note(self._items(v))}"
+
     def _add(self, parent, tree: dict, expand: bool) -> None:
-        for k, v in tree.items():
-            if isinstance(v, TensorInfo):
-                label = (f"{k}  [b]{list(v.shape)}[/] {v.dtype} {v.placement} "
-                         f"[dim]{human_count(v.numel)} el, {human_bytes(v.nbytes)}[/]")
-                parent.add_leaf(label, data=v)
+        keys = list(tree)
+        if self.rank is not None:  # stable: ties keep the natural order
+            keys.sort(key=lambda k: self._top(tree[k]), reverse=True)
+        for k in keys:
+            v = tree[k]
+            if not isinstance(v, dict):
+                parent.add_leaf(self.label_of(k, v), data=v)
                 continue
             nums = sorted((n for n in v if n.isdigit()), key=int)
             if len(nums) > 1 and len(nums) == len(v):
                 # a stack of numbered blocks (layers, experts): one node "layers.0..27"
-                group = parent.add(f"{k}.{nums[0]}..{nums[-1]}", expand=expand)
-                for n in nums:
-                    self._add(group.add(n, expand=bool(self.query)), v[n], expand)
+                group = parent.add(self._group_label(f"{k}.{nums[0]}..{nums[-1]}", v),
+                                   expand=expand)
+                if self.rank is not None:
+                    nums.sort(key=lambda n: self._top(v[n]), reverse=True)
+                for i, n in enumerate(nums):
+                    # ordered by rank, the first block (the layer that moved most) is open
+                    opened = bool(self.query) or (self.rank is not None and i == 0)
+                    self._add(group.add(self._group_label(n, v[n]), expand=opened), v[n],
+                              expand)
             else:
-                self._add(parent.add(k, expand=expand), v, expand)
+                self._add(parent.add(self._group_label(k, v), expand=expand), v, expand)
