@@ -249,6 +249,32 @@ def test_hsdp_replicas_that_disagree_are_refused(hsdp):
     assert probs and "model.norm.weight" in probs[0].message
 
 
+HSDP_GOLDEN = [c for c in GOLDEN_CASES if c.name == "fsdp2_hsdp_2x2_named"]
+
+
+@pytest.mark.parametrize("case", HSDP_GOLDEN, ids=lambda p: p.parent.name)
+def test_hsdp_golden_of_each_release_survives_a_lost_replica(case, tmp_path):
+    """Every release's HSDP mesh record (a ``mesh`` tensor, ``_MeshLayout(shape, stride)``,
+    ``_layout.axes``): with one rank of each replica gone, the other replica serves them and
+    the merge is still bit-exact; with both copies of one fsdp shard gone, the refusal names
+    the ranks and a tensor."""
+    import shutil
+
+    ck = shutil.copytree(case / "checkpoint", tmp_path / "ck")
+    (ck / "model_world_size_4_rank_0.pt").unlink()
+    (ck / "model_world_size_4_rank_3.pt").unlink()
+    layout = _merge(ck, tmp_path / "out", hf_config=str(case / "reference"))
+    assert layout.mesh_shape == (2, 2) and layout.parallel == {"dp": 2, "fsdp": 2}
+    note = next(n for n in layout.notes if n.startswith("HSDP"))
+    assert "rank 0 from rank 2" in note and "rank 3 from rank 1" in note, note
+    assert_bit_equal(load(tmp_path / "out"), load(case / "reference"))
+    (ck / "model_world_size_4_rank_2.pt").unlink()  # rank 0's last copy of fsdp shard 0
+    layout = detect(ck)
+    assert layout.errors[0].code == "lost-shard", layout.errors
+    assert "ranks 0, 2, 3" in layout.errors[0].message
+    assert ".weight" in layout.errors[0].message
+
+
 def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_root, tmp_path):
     """DCP's ``HuggingFaceStorageWriter`` records no global shape: with its last rank file
     gone the inferred embedding is short, and the refusal says a rank file is probably
