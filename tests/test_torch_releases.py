@@ -290,6 +290,22 @@ def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_
     assert not (tmp_path / "out").exists()
 
 
+def test_dcp_safetensors_without_config_warns_that_a_lost_last_rank_cannot_be_seen(
+        fixtures_root, tmp_path):
+    """Without a config nothing records the global shapes: the merge says so in a warning
+    rather than passing the short tensors of a set that lost its last rank file silently."""
+    import shutil
+
+    ck = shutil.copytree(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
+    (ck / "shard-00003-model-00001-of-00001.safetensors").unlink()
+    shutil.rmtree(ck / "huggingface")
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert "a missing last rank file cannot be detected" in r.stderr, r.stderr
+    assert "2 rank files present" in r.stderr
+
+
 def test_mesh_slice_without_root_link_joins_its_mesh(tp_root, tmp_path):
     """Norms without sequence parallelism stay on FSDP2's ``dp`` slice of the (dp, tp) mesh.
     torch 2.11+ links the slice to its root (``_root_mesh``); older releases pickle no link:
