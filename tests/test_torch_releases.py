@@ -249,10 +249,10 @@ def test_hsdp_replicas_that_disagree_are_refused(hsdp):
     assert probs and "model.norm.weight" in probs[0].message
 
 
-HSDP_GOLDEN = [c for c in GOLDEN_CASES if c.name == "fsdp2_hsdp_2x2_named"]
+HSDP_GOLDEN = [c for c in GOLDEN_CASES if c.name.startswith("fsdp2_hsdp_2x2_")]
 
 
-@pytest.mark.parametrize("case", HSDP_GOLDEN, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("case", HSDP_GOLDEN, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_hsdp_golden_of_each_release_survives_a_lost_replica(case, tmp_path):
     """Every release's HSDP mesh record (a ``mesh`` tensor, ``_MeshLayout(shape, stride)``,
     ``_layout.axes``): with one rank of each replica gone, the other replica serves them and

@@ -63,7 +63,7 @@ def sniff(path: str) -> bool:
 
 
 #: releases whose rank files were checked (tests/data/torch_releases/, one folder each)
-CHECKED_RELEASES = ("2.4", "2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+CHECKED_RELEASES = ("2.4", "2.5", "2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
 
 #: torch.save archives do not record the torch release that wrote them
 UNKNOWN_RELEASE = ("a record layout this reader does not know (the file does not say which "
