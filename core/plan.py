@@ -281,6 +281,10 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     elif config_dir is None:
         warnings.append("no Hugging Face config found (pass --hf-config DIR): the output holds "
                         "weights only and will not load with from_pretrained")
+        if layout.format == "dcp-hf":  # core/formats/dcp_hf.py: no global shape recorded
+            warnings.append(f"DCP's per-rank safetensors record no global shapes: without a "
+                            f"config, a missing last rank file cannot be detected (the shapes "
+                            f"are those of the {len(layout.files)} rank files present)")
     lora, adapter = lora_choice(layout, options)
     recorded = lora.adapters[adapter.name] if adapter is not None else None
     if (options.lora_alpha is not None and recorded is not None

@@ -249,6 +249,32 @@ def test_hsdp_replicas_that_disagree_are_refused(hsdp):
     assert probs and "model.norm.weight" in probs[0].message
 
 
+HSDP_GOLDEN = [c for c in GOLDEN_CASES if c.name.startswith("fsdp2_hsdp_2x2_")]
+
+
+@pytest.mark.parametrize("case", HSDP_GOLDEN, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_hsdp_golden_of_each_release_survives_a_lost_replica(case, tmp_path):
+    """Every release's HSDP mesh record (a ``mesh`` tensor, ``_MeshLayout(shape, stride)``,
+    ``_layout.axes``): with one rank of each replica gone, the other replica serves them and
+    the merge is still bit-exact; with both copies of one fsdp shard gone, the refusal names
+    the ranks and a tensor."""
+    import shutil
+
+    ck = shutil.copytree(case / "checkpoint", tmp_path / "ck")
+    (ck / "model_world_size_4_rank_0.pt").unlink()
+    (ck / "model_world_size_4_rank_3.pt").unlink()
+    layout = _merge(ck, tmp_path / "out", hf_config=str(case / "reference"))
+    assert layout.mesh_shape == (2, 2) and layout.parallel == {"dp": 2, "fsdp": 2}
+    note = next(n for n in layout.notes if n.startswith("HSDP"))
+    assert "rank 0 from rank 2" in note and "rank 3 from rank 1" in note, note
+    assert_bit_equal(load(tmp_path / "out"), load(case / "reference"))
+    (ck / "model_world_size_4_rank_2.pt").unlink()  # rank 0's last copy of fsdp shard 0
+    layout = detect(ck)
+    assert layout.errors[0].code == "lost-shard", layout.errors
+    assert "ranks 0, 2, 3" in layout.errors[0].message
+    assert ".weight" in layout.errors[0].message
+
+
 def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_root, tmp_path):
     """DCP's ``HuggingFaceStorageWriter`` records no global shape: with its last rank file
     gone the inferred embedding is short, and the refusal says a rank file is probably
@@ -262,6 +288,22 @@ def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_
                        timeout=300)
     assert r.returncode == 3 and "rank file is probably missing" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_dcp_safetensors_without_config_warns_that_a_lost_last_rank_cannot_be_seen(
+        fixtures_root, tmp_path):
+    """Without a config nothing records the global shapes: the merge says so in a warning
+    rather than passing the short tensors of a set that lost its last rank file silently."""
+    import shutil
+
+    ck = shutil.copytree(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
+    (ck / "shard-00003-model-00001-of-00001.safetensors").unlink()
+    shutil.rmtree(ck / "huggingface")
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert "a missing last rank file cannot be detected" in r.stderr, r.stderr
+    assert "2 rank files present" in r.stderr
 
 
 def test_mesh_slice_without_root_link_joins_its_mesh(tp_root, tmp_path):
@@ -296,3 +338,68 @@ def test_gpu_written_records_read_like_cpu_ones(fixtures_root, tmp_path):
     layout = _merge(ck, tmp_path / "out")
     assert layout.mesh_shape == (2, 2)
     assert_bit_equal(load(tmp_path / "out"), load(fixtures_root / "w4-hsdp.reference"))
+
+
+def _as_if_written_on_a_gpu(path: Path) -> None:
+    """Damage a real CPU-written rank file of torch 2.11 into what the same release writes on
+    one GPU (each rank in turn on ``cuda:0``; compared field by field with such a file):
+    the DTensor's device ``torch.device("cpu")`` becomes ``torch.device("cuda", 0)``, every
+    parameter storage is recorded at ``cuda:0``, the mesh's ``_device_type`` is ``cuda``, and
+    the mesh's ``_rank_map`` stays a CPU tensor."""
+    import re
+
+    from core.formats.torchsave import read_torch_archive
+
+    root = read_torch_archive(str(path)).root
+    mesh = next(iter(root.values())).state[1]["_spec"].get("mesh")
+    rank_map_key = mesh.state["_rank_map"].storage.key.encode()
+    memo = rb"(?:q.|r.{4})?"
+    # the string "cpu" as pickled: a literal (maybe memoised) or a memo reference to one
+    cpu = rb"(X\x03\x00\x00\x00cpu" + memo + rb"|h.|j.{4})"
+
+    def put(tok: bytes, new: bytes) -> bytes:
+        """``new`` in place of the string ``tok``; a memoised literal stays in the memo for
+        later references (pushed, memoised, POPped)."""
+        return tok + b"0" + new if tok[:1] == b"X" and len(tok) > 8 else new
+
+    with zipfile.ZipFile(path) as z:
+        entries = [(i, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for info, data in entries:
+            if info.filename.endswith("data.pkl"):
+                n = {}
+                data, n["device"] = re.subn(  # torch.device("cpu") -> torch.device("cuda", 0)
+                    rb"X\x03\x00\x00\x00cpu(" + memo + rb")\x85",
+                    lambda m: b"X\x04\x00\x00\x00cuda" + m[1] + b"K\x00\x86", data,
+                    flags=re.S)
+                data, n["storage"] = re.subn(  # storage record: (..., key, location, numel)
+                    rb"(X[\x01-\x09]\x00\x00\x00)(\d+)(" + memo + rb")" + cpu,
+                    lambda m: m[0] if m[2] == rank_map_key else
+                    m[1] + m[2] + m[3] + put(m[4], b"X\x06\x00\x00\x00cuda:0"), data,
+                    flags=re.S)
+                data, n["mesh"] = re.subn(
+                    rb"(X\x0c\x00\x00\x00_device_type" + memo + rb")" + cpu,
+                    lambda m: m[1] + put(m[2], b"X\x04\x00\x00\x00cuda"), data, flags=re.S)
+                assert n["device"] and n["storage"] > 1 and n["mesh"] == 1, n
+            z.writestr(info.filename, data)
+
+
+def test_torch211_hsdp_as_written_on_a_gpu_merges_exactly(tmp_path):
+    """The issue's failing input: torch 2.11 HSDP 2x2 saved from CUDA tensors. The golden
+    2.11 files, given the GPU records, merge bit for bit (storages at ``cuda:0``, devices
+    ``torch.device("cuda", 0)``, mesh device type ``cuda``)."""
+    import shutil
+
+    case = GOLDEN / "2.11.0" / "fsdp2_hsdp_2x2_named"
+    ck = shutil.copytree(case / "checkpoint", tmp_path / "ck")
+    for r in range(4):
+        _as_if_written_on_a_gpu(ck / f"model_world_size_4_rank_{r}.pt")
+    from core.formats.torchsave import read_torch_archive
+
+    arch = read_torch_archive(str(ck / "model_world_size_4_rank_2.pt"))
+    assert {s.location for s in arch.storages.values()} == {"cuda:0", "cpu"}
+    mesh = next(iter(arch.root.values())).state[1]["_spec"].get("mesh")
+    assert mesh.state["_device_type"] == "cuda"
+    layout = _merge(ck, tmp_path / "out", hf_config=str(case / "reference"))
+    assert layout.mesh_shape == (2, 2) and not layout.problems
+    assert_bit_equal(load(tmp_path / "out"), load(case / "reference"))

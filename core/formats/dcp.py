@@ -8,6 +8,9 @@ chunks=[ChunkStorageMetadata(offsets, sizes)])`` or ``BytesStorageMetadata``; ``
 maps ``MetadataIndex(fqn, offset, index)`` to ``_StorageInfo(relative_path, offset, length,
 transform_descriptors)``; each tensor chunk is a complete ``torch.save`` archive embedded at
 that byte range of the ``.distcp`` file. ``planner_data`` maps each key to its nesting path.
+``TensorProperties`` pickles ``(dtype, layout, requires_grad, memory_format, pin_memory)``;
+torch 2.15 appends the tensor's ``strides`` (torch/distributed/checkpoint/metadata.py): the dtype
+stays first.
 
 Why not ``FileSystemReader.read_metadata``: it unpickles ``.metadata`` without restriction
 (untrusted input) and needs a torch import; the restricted reader gives the same records.

@@ -62,10 +62,13 @@ def sniff(path: str) -> bool:
     return p.is_dir() and bool(_rank_files(p)[1])
 
 
+#: releases whose rank files were checked (tests/data/torch_releases/, one folder each)
+CHECKED_RELEASES = ("2.4", "2.5", "2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+
 #: torch.save archives do not record the torch release that wrote them
 UNKNOWN_RELEASE = ("a record layout this reader does not know (the file does not say which "
-                   "torch release wrote it; files of torch 2.4, 2.6, 2.9, 2.11, 2.13 "
-                   "and 2.14 were checked)")
+                   "torch release wrote it; files of torch "
+                   f"{', '.join(CHECKED_RELEASES[:-1])} and {CHECKED_RELEASES[-1]} were checked)")
 
 
 class UnknownRecordError(BadCheckpointError):
@@ -81,11 +84,11 @@ class MeshRecordError(ValueError):
 def _mesh_shape_from_layout(layout: Record) -> tuple[int, ...]:
     """Mesh shape from a pickled ``torch.distributed._mesh_layout._MeshLayout``.
 
-    torch 2.13-2.14 keep ``axes``: one ``_FlatLayout`` per mesh dimension whose ``shape`` may
-    be a (nested) tuple: the dimension's size is the product. torch 2.11-2.12 keep the CuTe
+    torch 2.13-2.15 keep ``axes``: one ``_FlatLayout`` per mesh dimension whose ``shape`` may
+    be a (nested) tuple: the dimension's size is the product. torch 2.10-2.12 keep the CuTe
     pair ``shape``/``stride`` directly, one entry (an int or a nested tuple) per mesh
-    dimension (torch/distributed/_mesh_layout.py of each release; checked on 2.11 and 2.13
-    files)."""
+    dimension (torch/distributed/_mesh_layout.py of each release; checked on files of 2.10 to
+    2.15)."""
     axes = layout.get("axes")
     if axes is not None:
         dims = []
@@ -129,8 +132,9 @@ def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, t
     (``DeviceMesh.__getstate__`` pickles its ``__dict__``; torch/distributed/device_mesh.py).
 
     Where each release keeps the shape: torch <= 2.9 a ``mesh`` tensor of the mesh's shape;
-    torch 2.11-2.12 ``_layout`` = ``_MeshLayout(shape, stride)`` beside a flat ``_rank_map``;
-    torch 2.13-2.14 ``_layout.axes`` (one ``_FlatLayout`` per dimension). Names:
+    torch 2.10-2.12 ``_layout`` = ``_MeshLayout(shape, stride)`` beside a flat ``_rank_map``;
+    torch 2.13-2.15 ``_layout.axes`` (one ``_FlatLayout`` per dimension; 2.15 adds
+    ``_preserve_rank_order``, the order of ranks in the process groups, not read). Names:
     ``mesh_dim_names`` (<= 2.9) or ``_mesh_dim_names``; coordinate: ``_coordinate_on_dim``
     (``None`` when the file's rank is outside the mesh). Raises :class:`MeshRecordError`
     naming the field for any other layout."""
@@ -146,7 +150,7 @@ def _mesh_info(mesh: Record) -> tuple[tuple[int, ...], tuple[str, ...] | None, t
         shape = _mesh_shape_from_layout(layout)
     elif isinstance(st.get("mesh"), TensorRef):
         shape = tuple(st["mesh"].shape)
-    else:  # a flat ``_rank_map`` alone does not give the shape (torch >= 2.11 keeps it 1-D)
+    else:  # a flat ``_rank_map`` alone does not give the shape (torch >= 2.10 keeps it 1-D)
         raise MeshRecordError(f"DeviceMesh record has no mesh tensor nor _layout (fields: "
                               f"{_fields(mesh)})")
     if names is not None and len(names) != len(shape):
@@ -189,7 +193,7 @@ def shard_orders(ndim: int, mesh_shape: tuple[int, ...], placements: list[Record
     ``_maybe_convert_StridedShard_to_shard_order``, placement_types.py ``_StridedShard``;
     FSDP2 over TP gives ``(_StridedShard(0, tp), Shard(0))``: cut into ``tp`` chunks, each
     cut into ``dp`` pieces). Without a ``_StridedShard``, a recorded ``shard_order``
-    (``ShardOrderEntry(tensor_dim, mesh_dims)``, in torch 2.11 files) gives the order. Raises
+    (``ShardOrderEntry(tensor_dim, mesh_dims)``, in torch 2.10-2.12 files) gives the order. Raises
     :class:`MeshRecordError` for placements or orders this reader does not know."""
     order: dict[int, list[int]] = {}
     if len(placements) != len(mesh_shape):
@@ -379,7 +383,7 @@ class _Builder:
         pstr = ", ".join(_placement_str(p) for p in placements)
         t = self.tensor(name, gshape, dtype, f"({pstr})" if len(placements) > 1 else pstr, path)
         # A submesh (e.g. FSDP2's ``dp`` mesh of a (dp, tp) world, holding the parameters TP
-        # left whole) keeps its root in ``_root_mesh`` (torch 2.11+); older releases keep
+        # left whole) keeps its root in ``_root_mesh`` (torch 2.10+); older releases keep
         # no link, so a named mesh whose dims are named dims of the same sizes in another
         # mesh of the file is taken as its slice. Tensors on either are one checkpoint.
         root = _state(mesh).get("_root_mesh")
@@ -439,6 +443,8 @@ class _Builder:
         local_shards, meta = st[0], st[1]
         props = meta.get("tensor_properties")
         dtype = None
+        # TensorProperties.__getstate__ (torch/distributed/_shard/sharded_tensor/metadata.py):
+        # (dtype, layout, requires_grad, memory_format, pin_memory), + strides from torch 2.15
         if isinstance(props, Record) and isinstance(props.state, tuple) and props.state:
             dtype = props.state[0].name if isinstance(props.state[0], DType) else None
         if dtype is None:
