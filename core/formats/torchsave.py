@@ -328,22 +328,35 @@ class _Window(io.RawIOBase):
 
 @dataclass
 class TorchArchive:
-    """The unpickled root object of a ``torch.save`` archive with resolved storage offsets."""
+    """The unpickled root object of a ``torch.save`` archive with resolved storage offsets.
+
+    When the caller's ``reuse`` hook recognised the pickle (:func:`read_torch_archive`),
+    ``root`` is what the hook returned, ``storages`` is empty and ``offsets`` maps each storage
+    key the hook named to the absolute byte offset of its data in the file."""
 
     path: str
     root: Any
     storages: dict[str, StorageRef]
+    offsets: dict[str, int] | None = None
 
 
-def read_torch_archive(path: str, base: int = 0, length: int | None = None) -> TorchArchive:
+def read_torch_archive(path: str, base: int = 0, length: int | None = None,
+                       reuse=None) -> TorchArchive:
     """Read the pickle of the ``torch.save`` archive at ``path`` (or the ``length`` bytes at
     ``base`` of it, as DCP embeds one per chunk) and locate every storage's bytes.
+
+    ``reuse(pickle_bytes)``, when given, may return ``(root, storages)`` for a pickle it
+    recognises (rank files of one run pickle the same state dict but for a few values), where
+    ``storages`` is a list of ``(key, bytes its tensors need)``: the pickle is then not
+    unpickled again, but the archive's directory, the pickle's CRC-32, every named storage's
+    entry and local header, its size and its extent inside the file are checked as usual, and
+    the result has ``offsets`` instead of ``storages``. ``reuse`` returns None to unpickle.
 
     Raises :class:`BadCheckpointError` when the file is not a readable archive or a storage
     entry is missing, compressed or short; :class:`UnsafeCheckpointError` for a forbidden global.
     """
     try:
-        return _read_archive(path, base, length)
+        return _read_archive(path, base, length, reuse)
     except (BadCheckpointError, UnsafeCheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged zip directory can raise anything
@@ -422,6 +435,30 @@ def _fast_directory(mm, base: int, length: int) -> list[_Entry] | None:
     return out if pos == cd_end else None
 
 
+def _locate(mm, base: int, size: int, infos: dict, prefix: str, needs, path: str
+            ) -> dict[str, int]:
+    """Absolute data offset of each storage in ``needs`` (``(key, bytes needed)`` pairs), with
+    the checks of the unpickling path: entry present and stored uncompressed, a local header
+    signature, at least the bytes needed, and all of them inside the file."""
+    out = {}
+    get = infos.get
+    for key, need in needs:
+        info = get(f"{prefix}data/{key}")
+        if info is None:
+            raise BadCheckpointError(f"storage {key} is missing from the archive", path)
+        if info[1] != zipfile.ZIP_STORED:
+            raise BadCheckpointError(f"storage {key} is compressed", path)
+        at = _local_data_offset(mm, base, size, info, f"storage {key}", path)
+        held = info[3]
+        if held < need:
+            raise BadCheckpointError(f"storage {key} holds {held} bytes, {need} expected", path)
+        if at + held > size:
+            raise BadCheckpointError(f"storage {key} ends at byte {at + held} but the file has "
+                                     f"{size}: truncated", path)
+        out[key] = at
+    return out
+
+
 def _local_data_offset(mm, base: int, size: int, e: _Entry, what: str, path: str) -> int:
     """Absolute offset of entry ``e``'s data, from its local header (whose name and extra
     field lengths may differ from the central directory's)."""
@@ -432,7 +469,7 @@ def _local_data_offset(mm, base: int, size: int, e: _Entry, what: str, path: str
     return at + 30 + n + m
 
 
-def _read_archive(path: str, base: int, length: int | None) -> TorchArchive:
+def _read_archive(path: str, base: int, length: int | None, reuse=None) -> TorchArchive:
     import mmap
     import zlib
 
@@ -489,6 +526,11 @@ def _read_archive(path: str, base: int, length: int | None) -> TorchArchive:
                 raise BadCheckpointError("big-endian archives are not supported", path)
             storages: dict[str, StorageRef] = {}
             data = stored(infos[pkl[0]])
+            reused = reuse(data) if reuse is not None else None
+            if reused is not None:
+                root, needs = reused
+                return TorchArchive(path, root, {}, _locate(mm, base, size, infos, prefix,
+                                                            needs, path))
             try:
                 root = RestrictedUnpickler(io.BytesIO(data), path, storages).load()
             except (UnsafeCheckpointError, BadCheckpointError) as e:
