@@ -359,11 +359,11 @@ class _Builder:
         if coord is None:
             coord = tuple(_unravel(rank, tpl.mesh_shape))
         self.keys_by_rank[rank] = tpl.keys
-        boxes, add = tpl.box_cache, self.add
-        for t, key, start, shape, stride, dtype, box in tpl.entries:
-            byte_offset = offsets[key] + start
+        boxes, add, seen = tpl.box_cache, self.add, self.seen
+        for t, key, start, shape, stride, dtype, box, empty in tpl.entries:
             if box is None:  # a plain tensor (a buffer saved whole on every rank)
-                add(t, Piece(path, byte_offset, dtype, shape, stride, (0,) * len(shape), rank))
+                add(t, Piece(path, offsets[key] + start, dtype, shape, stride,
+                             (0,) * len(shape), rank))
                 continue
             got = boxes.get((box, coord))
             if got is None:
@@ -382,7 +382,15 @@ class _Builder:
                     "shape-mismatch", f"{t.name}: local shard is {shape}, its placement "
                     f"{pstr} on mesh {mesh_shape} at {coord} gives {want}", path))
                 continue
-            add(t, Piece(path, byte_offset, dtype, shape, stride, goff, rank, coord))
+            if empty:
+                continue  # an empty shard (``add`` skips those too)
+            piece = Piece(path, offsets[key] + start, dtype, shape, stride, goff, rank, coord)
+            first = seen.get((t.name, goff, shape))
+            if first is None:  # what ``add`` does, inline: many files x many tensors
+                seen[(t.name, goff, shape)] = piece
+                t.pieces.append(piece)
+            else:
+                self.copies.append((t.name, first, piece))
 
     def _plain(self, rank, path, name, ref: TensorRef) -> None:
         t = self.tensor(name, ref.shape, ref.dtype, "plain", path)
@@ -607,7 +615,7 @@ class _Template:
     the same records, so its layout follows from the template's and its own coordinate.
 
     ``entries``: per tensor ``(TensorInfo, storage key, byte offset in the storage, local
-    shape, stride, dtype, placement index or None for a plain tensor)``; ``boxes``: per
+    shape, stride, dtype, placement index or None for a plain tensor, empty)``; ``boxes``: per
     distinct placement ``(global shape, mesh shape, placements, shard order, text)``."""
 
     def __init__(self, data: bytes, coord_spans, masked, mesh_shape, keys, recording,
@@ -642,7 +650,7 @@ class _Template:
                     self.boxes.append(box)
                 box = index[key]
             self.entries.append((t, ref.storage.key, ref.storage_offset * ITEMSIZE[ref.dtype],
-                                 ref.shape, ref.stride, ref.dtype, box))
+                                 ref.shape, ref.stride, ref.dtype, box, 0 in ref.shape))
         # every storage the pickle names is checked in each file, as the full parse does
         self.needs = [(k, ref.numel * ITEMSIZE[ref.dtype]) for k, ref in storages.items()]
 
