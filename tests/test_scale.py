@@ -171,7 +171,7 @@ def test_a_short_storage_in_a_recognised_file_is_caught(w3, recognised):
 def test_fast_zip_directory_agrees_with_zipfile(fixtures_root):
     import mmap
 
-    from core.formats.torchsave import _fast_directory
+    from core.formats.torchsave import _array_directory, _fast_directory
 
     for f in sorted((fixtures_root / "w4-hsdp").glob("*.pt")):
         with open(f, "rb") as fh:
@@ -182,6 +182,11 @@ def test_fast_zip_directory_agrees_with_zipfile(fixtures_root):
             want = [(i.filename, i.compress_type, i.CRC, i.file_size, i.compress_size,
                      i.header_offset) for i in z.infolist()]
         assert got is not None and [tuple(e) for e in got] == want
+        with open(f, "rb") as fh:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            arrays = _array_directory(mm, 0, len(mm))
+            mm.close()
+        assert arrays is not None and [tuple(arrays.get(n)) for n in arrays] == want
         assert zlib.crc32(b"") == 0
 
 
