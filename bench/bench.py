@@ -119,7 +119,8 @@ from tui.screens.inspector import InspectorScreen
 async def main():
     app = make_app(sys.argv[1])
     async with app.run_test(size=(110, 34)) as pilot:
-        while not isinstance(app.screen, InspectorScreen):
+        # the inspector pushed *and* mounted (its widgets exist): the first useful screen
+        while not (isinstance(app.screen, InspectorScreen) and app.screen.is_mounted):
             await pilot.pause(0.01)
 asyncio.run(main())
 """
@@ -152,6 +153,21 @@ def model_bytes(fsdp_dir: Path) -> int:
     from core import detect
 
     return detect(fsdp_dir).bytes
+
+
+def _layout_and_plan_cpu(path: Path) -> tuple[float, float]:
+    """CPU seconds of reading the layout and of planning the merge on it, in a fresh
+    process (CPU time: the wall time of a loaded machine says little about a step)."""
+    code = ("import sys, time\n"
+            "from core import MergeOptions, detect, plan_merge\n"
+            "t = time.process_time(); layout = detect(sys.argv[1])\n"
+            "t1 = time.process_time()\n"
+            "plan_merge(layout, MergeOptions(output=sys.argv[1] + '.plan-only'))\n"
+            "print(t1 - t, time.process_time() - t1)")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                       cwd=ROOT)
+    a, b = r.stdout.split()[-2:]
+    return float(a), float(b)
 
 
 def _megatron_checkpoint(cache: Path) -> Path:
@@ -280,6 +296,9 @@ def main() -> None:
         rows.append((name, r, shard, floor, mg_size if megatron else many_bytes[w] if w
                      else size))
     app = measure([sys.executable, "-c", APP_START, str(fsdp)], None, args.reps)
+    app_many = {w: measure([sys.executable, "-c", APP_START, str(src)], None, args.reps)
+                for w, src in many.items()}
+    split = {w: _layout_and_plan_cpu(src) for w, src in many.items()}
     cpu = platform.processor() or platform.machine()
     print(f"\nmodel: {size / 1e9:.2f} GB of tensors, {shard_bytes / 1e9:.2f} GB in "
           f"{args.world_size} rank files" + (f"; Megatron model {mg_size / 1e9:.2f} GB"
@@ -316,10 +335,13 @@ def main() -> None:
             get[f"shardscope read layout + plan only, {w} ranks"]
         load, merge = get[f"peer floor: torch.load of every rank file ({w} ranks)"], \
             get[f"shardscope merge, {w} ranks"]
+        lay, pl = split[w]
         print(f"\n{w} ranks x {len(detect_names(many[w]))} tensors: inspect --json "
               f"{ins['wall']:.2f} s = {ins['wall'] / load['wall']:.2f} x torch.load of every "
-              f"file; layout + plan {plan['wall']:.2f} s of the merge's {merge['wall']:.2f} s")
-    print(f"\napp start to first screen: {app['wall']:.2f} s")
+              f"file; layout + plan {plan['wall']:.2f} s of the merge's {merge['wall']:.2f} s "
+              f"(in process, CPU: reading the layout {lay:.2f} s, planning {pl:.2f} s)")
+    print(f"\napp start to first screen: {app['wall']:.2f} s" + "".join(
+        f"; {w} ranks: {r['wall']:.2f} s" for w, r in app_many.items()))
 
 
 if __name__ == "__main__":

@@ -150,7 +150,9 @@ def _fake_rank(rank: int, world: int, out: str, shapes: dict) -> None:
         local = torch.empty((rows, *shape[1:])).normal_(0, 0.02)
         sd[k] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
                                    stride=torch.empty(shape, device="meta").stride())
-    torch.save(sd, Path(out) / f"model_world_size_{world}_rank_{rank}.pt")
+    final = Path(out) / f"model_world_size_{world}_rank_{rank}.pt"
+    torch.save(sd, final.with_suffix(".tmp"))
+    os.replace(final.with_suffix(".tmp"), final)  # whole files only: a run can resume
     dist.destroy_process_group()
 
 
@@ -160,7 +162,8 @@ def write_many_ranks_procs(out: str | os.PathLike, world: int, layers: int = 80,
     12 tensors a layer + 3 = 963 tensors at 80 layers), each rank written by ITS OWN process
     (forked from this one, ``fake`` process-group backend, ``workers`` at a time), each value a
     ``DTensor`` of that rank's ``Shard(0)`` rows on a 1-D ``fsdp`` mesh, as FSDP2's
-    ``state_dict`` returns. The HF config goes to ``huggingface/``."""
+    ``state_dict`` returns. The HF config goes to ``huggingface/``. Rank files already
+    written (each is renamed into place when complete) are kept: an interrupted run resumes."""
     import multiprocessing as mp
 
     import torch
@@ -173,9 +176,10 @@ def write_many_ranks_procs(out: str | os.PathLike, world: int, layers: int = 80,
         shapes = {k: tuple(v.shape) for k, v in
                   AutoModelForCausalLM.from_config(config).state_dict().items()}
     ctx = mp.get_context("fork")
+    todo = [r for r in range(world)
+            if not (out / f"model_world_size_{world}_rank_{r}.pt").exists()]  # resume
     with ctx.Pool(workers, maxtasksperchild=1) as pool:
-        pool.starmap(_fake_rank, [(r, world, str(out), shapes) for r in range(world)],
-                     chunksize=1)
+        pool.starmap(_fake_rank, [(r, world, str(out), shapes) for r in todo], chunksize=1)
     config.architectures = ["Qwen2ForCausalLM"]
     config.save_pretrained(out / "huggingface")
     (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))

@@ -1,5 +1,8 @@
 """Floating-point casts between F32, F16 and BF16 on raw bytes with numpy, bit-identical to
-torch's ``Tensor.to`` on the CPU, so a ``--dtype`` merge need not import torch (about 2 s).
+torch's ``Tensor.to`` on the CPU, for pieces assembled in memory (strided pieces, boxes of TP
+columns) without importing torch. A merge casts contiguous pieces with torch itself
+(core/execute.py ``_cast_range``: torch is imported by the architecture check anyway, and its
+vectorised conversion is several times faster than these numpy steps).
 
 Rules (c10/util/BFloat16.h ``round_to_nearest_even``; IEEE 754 for F16): F32 -> BF16 keeps the
 upper 16 bits after adding ``0x7FFF + lsb`` (round to nearest, ties to even); F16 <-> F32 use

@@ -162,23 +162,46 @@ CAST_STEP = 1 << 20
 
 
 def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -> None:
-    """Cast contiguous piece ``p`` to ``out_dtype`` (F32/F16/BF16, core/cast.py's exact
-    rules) from its file to ``dst`` at byte ``pos``, :data:`CAST_STEP` elements at a time."""
-    from .cast import cast_bytes
+    """Cast contiguous piece ``p`` (F32/F16/BF16) to ``out_dtype`` from its file to ``dst`` at
+    byte ``pos``, :data:`CAST_STEP` elements at a time, with torch's own conversion
+    (``Tensor.copy_`` into a reused buffer: the kernel ``Tensor.to`` runs, so the bits are
+    ``.to()``'s: round to nearest even, NaN kept NaN; torch/aten/src/ATen/native/Copy.cpp).
+    torch is imported by a merge anyway (the architecture check builds the model on the meta
+    device); its vectorised loop casts at memory speed where numpy's bit steps took 1.6x
+    (bf16) and 3.4x (fp16) the keep-dtype merge. One intra-op thread per worker thread (an
+    OpenMP setting of the calling thread, restored after): the workers are the parallelism."""
+    import warnings
+
+    import torch
+
+    from .dtypes import torch_dtype
 
     isz, osz = ITEMSIZE[p.dtype], ITEMSIZE[out_dtype]
     n = p.numel
     local = src.local(p.file)  # else bytes come through src.read (another node's file)
     fd = src.fd(p.file) if local else None
-    inbuf = bytearray(min(n, CAST_STEP) * isz)
-    for i in range(0, n, CAST_STEP):
-        k = min(CAST_STEP, n - i)
-        if local:
-            view = memoryview(inbuf)[:k * isz]
-            _pread_exact(fd, k * isz, p.byte_offset + i * isz, p.file, view)
-        else:
-            view = memoryview(src.read(p.file, k * isz, p.byte_offset + i * isz))
-        _pwrite_all(dst, cast_bytes(view, p.dtype, out_dtype), pos + i * osz)
+    step = min(n, CAST_STEP)
+    inbuf = bytearray(step * isz)
+    out = torch.empty(step, dtype=torch_dtype(out_dtype))
+    out_bytes = out.view(torch.uint8).numpy()
+    in_dtype = torch_dtype(p.dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(0, n, CAST_STEP):
+            k = min(CAST_STEP, n - i)
+            if local:
+                view = memoryview(inbuf)[:k * isz]
+                _pread_exact(fd, k * isz, p.byte_offset + i * isz, p.file, view)
+            else:
+                view = memoryview(src.read(p.file, k * isz, p.byte_offset + i * isz))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a read-only buffer: only read here
+                x = torch.frombuffer(view, dtype=in_dtype, count=k)
+            out[:k].copy_(x)
+            _pwrite_all(dst, out_bytes[:k * osz], pos + i * osz)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:

@@ -295,6 +295,12 @@ class _Builder:
         self.copies: list[tuple[str, Piece, Piece]] = []
         self.mesh_cache: dict[int, tuple] = {}
         self.flat_params: set[str] = set()
+        #: what the rank file being parsed holds, for :class:`_Template` (None: not
+        #: recording, or not reusable: ShardedTensors record per-rank offsets in the pickle)
+        self.recording: list | None = None
+        #: the cached ``_hash`` values its DTensorSpecs and DeviceMesh pickle (they may hash
+        #: the mesh coordinate, so that every rank file has its own)
+        self.hashes: set = set()
 
     def kinds_by_dim(self) -> dict[int, set[str]]:
         """Placement kinds seen per dim of the checkpoint's mesh (``self.mesh``)."""
@@ -346,9 +352,55 @@ class _Builder:
                 self.skipped.add(name)
         self.keys_by_rank[rank] = keys
 
+    def replay(self, rank: int, path: str, tpl: "_Template", coord, offsets: dict) -> None:
+        """Add rank file ``path`` whose pickle is ``tpl``'s but for the values
+        :class:`_Template` masks (its mesh coordinate ``coord``, None when the mesh records
+        none, and values unused here): the same tensors, dtypes, global shapes, placements,
+        local shapes and strides as the template's file, so only each piece's global offsets
+        (placement arithmetic at ``coord``, cached per placement and coordinate) and where
+        its storage starts in this file (``offsets``, located and checked by
+        :func:`read_torch_archive`) are new. Adds the problems a full parse would."""
+        if coord is None:
+            coord = tuple(_unravel(rank, tpl.mesh_shape))
+        self.keys_by_rank[rank] = tpl.keys
+        boxes, add, seen = tpl.box_cache, self.add, self.seen
+        for t, key, start, shape, stride, dtype, box, empty in tpl.entries:
+            if box is None:  # a plain tensor (a buffer saved whole on every rank)
+                add(t, Piece(path, offsets[key] + start, dtype, shape, stride,
+                             (0,) * len(shape), rank))
+                continue
+            got = boxes.get((box, coord))
+            if got is None:
+                gshape, mesh_shape, placements, order, _ = tpl.boxes[box]
+                try:
+                    got = local_box(gshape, mesh_shape, coord, placements, order)
+                except MeshRecordError as e:  # the template's own coordinate placed it
+                    self.layout.problems.append(Problem("unsupported-placement",
+                                                        f"{t.name}: {e}", path))
+                    continue
+                boxes[(box, coord)] = got
+            goff, want = got
+            if want != shape:
+                gshape, mesh_shape, _, _, pstr = tpl.boxes[box]
+                self.layout.problems.append(Problem(
+                    "shape-mismatch", f"{t.name}: local shard is {shape}, its placement "
+                    f"{pstr} on mesh {mesh_shape} at {coord} gives {want}", path))
+                continue
+            if empty:
+                continue  # an empty shard (``add`` skips those too)
+            piece = Piece(path, offsets[key] + start, dtype, shape, stride, goff, rank, coord)
+            first = seen.get((t.name, goff, shape))
+            if first is None:  # what ``add`` does, inline: many files x many tensors
+                seen[(t.name, goff, shape)] = piece
+                t.pieces.append(piece)
+            else:
+                self.copies.append((t.name, first, piece))
+
     def _plain(self, rank, path, name, ref: TensorRef) -> None:
         t = self.tensor(name, ref.shape, ref.dtype, "plain", path)
         self._check_fits(name, ref, path)
+        if self.recording is not None:
+            self.recording.append((t, ref, None))
         self.add(t, Piece(path, ref.byte_offset, ref.dtype, ref.shape, ref.stride,
                           (0,) * len(ref.shape), rank))
 
@@ -433,10 +485,16 @@ class _Builder:
                 "dtype-mismatch", f"{name}: local shard is {local.dtype}, the DTensor says "
                 f"{dtype}", path))
             return
+        if self.recording is not None:
+            self.recording.append((t, local, (gshape, mesh_shape, tuple(placements),
+                                              spec.get("shard_order"), pstr)))
+            self.hashes.add(spec.get("_hash"))
+            self.hashes.add(_state(mesh).get("_hash"))
         self.add(t, Piece(path, local.byte_offset, local.dtype, local.shape, local.stride,
                           offsets, rank, coord))
 
     def _sharded(self, rank, path, name, rec: Record) -> None:
+        self.recording = None
         st = rec.state
         if not (isinstance(st, tuple) and len(st) >= 2):
             raise BadCheckpointError(f"{name}: ShardedTensor without state", path)
@@ -471,6 +529,212 @@ def _is_slice(a: tuple, b: tuple) -> bool:
     if not anames or not bnames or len(ashape) >= len(bshape):
         return False
     return all(n in bnames and bshape[bnames.index(n)] == s for n, s in zip(anames, ashape))
+
+
+def _key_ops(key: str) -> tuple[bytes, bytes]:
+    """The pickle ops that write string ``key``: BINUNICODE and SHORT_BINUNICODE."""
+    raw = key.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw, b"\x8c" + bytes([len(raw)]) + raw
+
+
+#: DeviceMesh state keys whose values differ between the rank files of one run
+#: (torch/distributed/device_mesh.py, ``DeviceMesh.__getstate__`` pickles ``__dict__``):
+#: this rank's mesh coordinate, the global rank that saved it, and the names of its process
+#: groups (one per mesh dim: HSDP's replica groups differ between ranks). Only the
+#: coordinate is used.
+_COORD_KEYS = _key_ops("_coordinate_on_dim")
+_RANK_KEYS = _key_ops("_rank")
+_GROUP_KEYS = _key_ops("_dim_group_names")
+_STR_ARGS = {"BINUNICODE": 5, "SHORT_BINUNICODE": 2}
+_INT_ARGS = {"BININT1": (1, False), "BININT2": (2, False), "BININT": (4, True)}
+_VALUE_OPS = frozenset({"BINPUT", "LONG_BINPUT", "MEMOIZE", "EMPTY_LIST", "MARK", "APPEND",
+                        "APPENDS", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+                        *_INT_ARGS, *_STR_ARGS})
+
+
+def _value_spans(data: bytes, value, keys) -> list[tuple[int, int, bool]] | None:
+    """Where the pickle writes ``value`` (a tuple of small ints or of strings), the value
+    of the state key ``keys`` names (:func:`_key_ops`): ``[(byte position, width, signed)]``
+    of each item's bytes, or None when it cannot be told for sure (the key absent or
+    written twice, or its value not a plain list/tuple of ints/strings equal to ``value``).
+    ``value`` None: ``[]`` when the key is absent, else None."""
+    import io
+    import pickletools
+
+    hits = [(k, data.find(k)) for k in keys]
+    hits = [(k, i) for k, i in hits if i >= 0]
+    if value is None:
+        return [] if not hits else None
+    if len(hits) != 1 or data.find(hits[0][0], hits[0][1] + 1) >= 0:
+        return None
+    start = hits[0][1] + len(hits[0][0])
+    spans = []
+    try:
+        window = io.BytesIO(data[start:start + 64 + 300 * len(value)])
+        for op, arg, pos in pickletools.genops(window):
+            if op.name not in _VALUE_OPS or len(spans) == len(value):
+                break
+            if op.name in _INT_ARGS:
+                width, signed = _INT_ARGS[op.name]
+                spans.append((start + pos + 1, width, signed, arg))
+            elif op.name in _STR_ARGS:
+                spans.append((start + pos + _STR_ARGS[op.name], len(arg.encode()), False, arg))
+    except ValueError:
+        return None
+    if [a for *_, a in spans] != list(value):
+        return None
+    return [(q, w, sg) for q, w, sg, _ in spans]
+
+
+def _hash_spans(data: bytes, hashes) -> list[tuple[int, int, bool]] | None:
+    """Where the pickle writes the cached hashes ``hashes`` (``DTensorSpec._hash``,
+    ``DeviceMesh._hash``, None when not cached): each is pickled as LONG1 with the 8 bytes
+    of a 64-bit hash, a pattern that occurs nowhere else by chance; every occurrence is
+    one. None when a hash is written otherwise (a small value: its place is not certain)."""
+    import pickle
+
+    spans = []
+    for h in hashes:
+        if h is None:
+            continue
+        if not isinstance(h, int) or isinstance(h, bool):
+            return None
+        enc = pickle.encode_long(h)
+        if len(enc) < 7:
+            return None
+        pat = b"\x8a" + bytes([len(enc)]) + enc
+        at = data.find(pat)
+        if at < 0:
+            return None
+        while at >= 0:
+            spans.append((at + 2, len(enc), True))
+            at = data.find(pat, at + len(pat))
+    return spans
+
+
+class _Template:
+    """A fully parsed rank file of the run, to recognise the others: the rank files of one
+    FSDP2 run pickle the same state dict, byte for byte, but for the DeviceMesh values
+    :data:`_COORD_KEYS`, :data:`_RANK_KEYS`, :data:`_GROUP_KEYS` and cached hashes (and
+    local shapes where the even-chunk rule leaves a rank fewer rows: another pickle, hence
+    another template). A file whose pickle equals the template's outside those bytes holds
+    the same records, so its layout follows from the template's and its own coordinate.
+
+    ``entries``: per tensor ``(TensorInfo, storage key, byte offset in the storage, local
+    shape, stride, dtype, placement index or None for a plain tensor, empty)``; ``boxes``: per
+    distinct placement ``(global shape, mesh shape, placements, shard order, text)``."""
+
+    def __init__(self, data: bytes, coord_spans, masked, mesh_shape, keys, recording,
+                 storages):
+        from ..dtypes import ITEMSIZE
+
+        self.data = data
+        self.coord_spans = coord_spans
+        self.mesh_shape = mesh_shape
+        self.keys = frozenset(keys)
+        # the unmasked stretches of the pickle, compared byte for byte
+        cuts, pos = [], 0
+        for at, width, _ in sorted((*coord_spans, *masked)):
+            if at > pos:
+                cuts.append((pos, at))
+            pos = max(pos, at + width)
+        cuts.append((pos, len(data)))
+        self.cuts = cuts
+        index: dict[tuple, int] = {}
+        self.boxes: list[tuple] = []
+        #: placement arithmetic of the files replayed: (placement index, coordinate) -> box
+        self.box_cache: dict[tuple, tuple] = {}
+        self.entries = []
+        for t, ref, box in recording:
+            if box is not None:
+                gshape, mshape, placements, order, pstr = box
+                key = (gshape, mshape, tuple((p.name, p.get("dim"), p.get("split_factor"))
+                                             for p in placements), pstr,
+                       tuple(e.args if isinstance(e, Record) else e for e in order or ()))
+                if key not in index:
+                    index[key] = len(self.boxes)
+                    self.boxes.append(box)
+                box = index[key]
+            self.entries.append((t, ref.storage.key, ref.storage_offset * ITEMSIZE[ref.dtype],
+                                 ref.shape, ref.stride, ref.dtype, box, 0 in ref.shape))
+        # every storage the pickle names is checked in each file, as the full parse does
+        self.needs = [(k, ref.numel * ITEMSIZE[ref.dtype]) for k, ref in storages.items()]
+
+    def match(self, data: bytes):
+        """This file's mesh coordinate (None when the mesh records none) when ``data`` is
+        this template's pickle but for the masked values, else False. A coordinate outside
+        the mesh is no match (the full parse names the problem)."""
+        mine = self.data
+        if len(data) != len(mine):
+            return False
+        for a, b in self.cuts:
+            if data[a:b] != mine[a:b]:
+                return False
+        if not self.coord_spans:
+            return None
+        coord = tuple(int.from_bytes(data[q:q + w], "little", signed=sg)
+                      for q, w, sg in self.coord_spans)
+        if not all(0 <= c < n for c, n in zip(coord, self.mesh_shape)):
+            return False
+        return coord
+
+
+class _Templates:
+    """The templates of one folder's rank files (a few: one per distinct set of local
+    shapes and width of the coordinate's integers)."""
+
+    LIMIT = 16
+
+    def __init__(self):
+        self.items: list[_Template] = []
+        self.data: bytes | None = None
+        self.hit: tuple | None = None
+
+    def reuse(self, data: bytes):
+        """The hook of :func:`read_torch_archive`: ``(root, storages)`` for a known pickle."""
+        self.data, self.hit = data, None
+        for i, tpl in enumerate(self.items):
+            coord = tpl.match(data)
+            if coord is not False:
+                if i:  # ranks come in runs of one template: try the last one first
+                    self.items.insert(0, self.items.pop(i))
+                self.hit = (tpl, coord)
+                return self.hit, tpl.needs
+        return None
+
+    def learn(self, b: "_Builder", rank: int, storages: dict) -> None:
+        """Make a template of the rank file just parsed in full (``self.data``; its
+        ``storages``) when it added no problem, holds DTensors on one mesh (or plain tensors
+        only), and every per-rank value of its mesh is found in its pickle. A template only
+        saves time: when in doubt, none is made."""
+        try:
+            self._learn(b, rank, storages)
+        except Exception:  # noqa: BLE001 - unusual records: every file is parsed in full
+            pass
+
+    def _learn(self, b: "_Builder", rank: int, storages: dict) -> None:
+        data = self.data
+        if b.recording is None or len(self.items) >= self.LIMIT or data is None:
+            return
+        if b.flat_params or len(b.mesh_cache) > 1:
+            return
+        if b.mesh_cache:
+            (mesh_shape, _, coord), mesh = next(iter(b.mesh_cache.values()))
+            st = _state(mesh)
+        else:
+            mesh_shape, coord, st = (), None, {}
+        spans = _value_spans(data, coord, _COORD_KEYS)
+        mesh_rank = st.get("_rank")
+        other = _value_spans(data, (mesh_rank,) if isinstance(mesh_rank, int) else None,
+                             _RANK_KEYS)
+        groups = st.get("_dim_group_names")
+        names = _value_spans(data, tuple(groups) if isinstance(groups, (list, tuple)) and all(
+            isinstance(g, str) for g in groups) else None, _GROUP_KEYS)
+        hashes = _hash_spans(data, b.hashes)
+        if spans is None or other is None or names is None or hashes is None:
+            return
+        self.items.append(_Template(data, spans, other + names + hashes, mesh_shape,
+                                    b.keys_by_rank[rank], b.recording, storages))
 
 
 def _unravel(rank: int, shape: tuple[int, ...]) -> list[int]:
@@ -632,6 +896,7 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
                             "file names")
     layout.world_size = world
     b = _Builder(layout)
+    templates = _Templates()
     missing = [r for r in range(min(world, MAX_LISTED)) if r not in files]
     n_missing = world - sum(1 for r in files if r < world)
     for r in sorted(set(missing) | {r for r in files if r < world}):
@@ -649,7 +914,17 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
             continue
         try:
             b.mesh_cache.clear()
-            b.add_rank(r, fpath, read_torch_archive(fpath).root)
+            archive = read_torch_archive(fpath, reuse=templates.reuse)
+            if archive.offsets is not None:  # the pickle of a rank file parsed before
+                tpl, coord = archive.root
+                b.replay(r, fpath, tpl, coord, archive.offsets)
+                continue
+            n_problems = len(layout.problems)
+            b.recording, b.hashes = [], set()
+            b.add_rank(r, fpath, archive.root)
+            if len(layout.problems) == n_problems:
+                templates.learn(b, r, archive.storages)
+            b.recording = None
         except UnknownRecordError as e:
             sf.status = "unreadable"
             layout.problems.append(Problem("unsupported-record", e.message, fpath))
