@@ -299,9 +299,15 @@ def test_dcp_safetensors_without_config_warns_that_a_lost_last_rank_cannot_be_se
     ck = shutil.copytree(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
     (ck / "shard-00003-model-00001-of-00001.safetensors").unlink()
     shutil.rmtree(ck / "huggingface")
+    # strict (the default): no config, so the architecture check cannot vouch for the output
     r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
+    assert r.returncode == 3 and "architecture check skipped: no config.json" in r.stderr
+    assert not (tmp_path / "out").exists()
+    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+                        str(tmp_path / "out"), "--no-strict"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
     assert "a missing last rank file cannot be detected" in r.stderr, r.stderr
     assert "2 rank files present" in r.stderr
 
