@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
 from .common import attach_config, clean_key, problem_for, stat_file
+from ..phases import phase
 from .torchsave import DType, Record, TensorRef, read_torch_archive
 
 #: at most this many missing ranks are listed as files / as separate problems
@@ -660,6 +661,7 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
                 layout.problems.append(Problem("missing-rank", f"rank {r} of {world} is "
                                                "missing", fpath))
             continue
+        phase(f"reading rank files {len(layout.files)}/{world}")
         try:
             b.mesh_cache.clear()
             b.add_rank(r, fpath, read_torch_archive(fpath).root)
