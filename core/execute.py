@@ -473,7 +473,7 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
 
         crc_records, unchecked = plan_records(plan, w.src.local)
         if crc_records:  # in its own thread, overlapping the writing
-            checker = CrcChecker(crc_records, cancel)
+            checker = CrcChecker(crc_records, cancel, min(4, max(1, opts.workers)))
             checker.start()
     try:
         written = []

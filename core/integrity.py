@@ -150,28 +150,38 @@ def check_record(r: StorageRecord, cancel: threading.Event | None = None) -> boo
 
 
 class CrcChecker(threading.Thread):
-    """Checks ``records`` in a background thread; :meth:`result` joins it and raises
-    :class:`BadCheckpointError` naming the file, the record and its tensors when one fails."""
+    """Checks ``records`` in the background, on ``threads`` threads (records are independent;
+    zlib's ``crc32`` releases the GIL on large buffers); :meth:`result` joins it and raises
+    :class:`BadCheckpointError` naming the file, the record and its tensors when one fails.
+    A failure sets ``cancel``, which stops the writer."""
 
-    def __init__(self, records: list[StorageRecord], cancel: threading.Event):
+    def __init__(self, records: list[StorageRecord], cancel: threading.Event, threads: int = 1):
         super().__init__(name="shardscope-crc", daemon=True)
-        self.records, self.cancel = records, cancel
+        self.records, self.cancel, self.threads = records, cancel, max(1, threads)
         self.failed: StorageRecord | None = None
         self.error: BaseException | None = None
 
-    def run(self):
+    def _one(self, r: StorageRecord) -> None:
+        if self.cancel.is_set():
+            return
         try:
-            for r in self.records:
-                if self.cancel.is_set():
-                    return
-                if not check_record(r, self.cancel):
-                    self.failed = r
-                    self.cancel.set()  # stop the writer: its output is void
-                    return
+            ok = check_record(r, self.cancel)
         except OSError as e:
             self.error = BadCheckpointError(f"cannot read for the CRC-32 check: {e.strerror}",
-                                            getattr(e, "filename", None))
+                                            r.file)
             self.cancel.set()
+            return
+        if not ok and self.failed is None:
+            self.failed = r
+            self.cancel.set()  # stop the writer: its output is void
+
+    def run(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        # largest first, so the threads finish together
+        order = sorted(self.records, key=lambda r: -r.size)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="shardscope-crc") as pool:
+            list(pool.map(self._one, order))
 
     def result(self) -> None:
         self.join()
