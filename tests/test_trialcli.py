@@ -84,14 +84,20 @@ def test_merge_refuses_a_flipped_byte_in_a_dcp_chunk(fixtures_root, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_crc_records_cover_every_piece_of_a_merge(fixtures_root, tmp_path):
-    """Every output tensor of a torch.save checkpoint lies in a checked record; a
-    safetensors source has none (named as unchecked)."""
+def test_crc_records_cover_every_piece_of_a_merge(fixtures_root, megatron_root, tmp_path):
+    """Every output tensor of a torch.save checkpoint lies in a checked record (FSDP, DCP,
+    HSDP, Megatron legacy and torch_dist: vocabulary padding cut, q/k/v split); a safetensors
+    source has none (named as unchecked)."""
     from core.integrity import check_record, plan_records
 
-    for name in ("w3-llama-f32", "w3-dcp", "w4-hsdp"):
-        plan = plan_merge(detect(fixtures_root / name),
-                          MergeOptions(str(tmp_path / name), strict=False))
+    mg = megatron_root / "llama"
+    for src in (fixtures_root / "w3-llama-f32", fixtures_root / "w3-dcp",
+                fixtures_root / "w4-hsdp", mg / "tp2_pp2" / "legacy",
+                mg / "tp2_pp2" / "torch_dist"):
+        cfg = str(mg / "reference") if src.parent == mg / "tp2_pp2" else None
+        plan = plan_merge(detect(src, hf_config=cfg),
+                          MergeOptions(str(tmp_path / src.name), strict=False, hf_config=cfg))
+        name = str(src)
         records, unchecked = plan_records(plan)
         covered = {t for r in records for t in r.tensors}
         assert covered == {t.name for f in plan.files for t in f.tensors}, name
