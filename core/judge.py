@@ -367,6 +367,9 @@ def candidates(config_dir: str | None = None, config_fields: dict | None = None,
     """(config, [(class name, get class)], named, note) for a config: the class config.json
     names first (``named``; None when it names none transformers or its code provides), then
     the other heads of its ``model_type``. Raises Skip."""
+    from .phases import phase
+
+    phase("importing torch and transformers for the architecture check")
     import transformers
 
     config, raw = _load_config(config_dir, config_fields, trust_remote_code)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from .common import attach_config, clean_key, problem_for, stat_file
 from ..phases import phase
+from .common import attach_config, clean_key, problem_for, stat_file
 from .torchsave import DType, Record, TensorRef, read_torch_archive
 
 #: at most this many missing ranks are listed as files / as separate problems
