@@ -54,8 +54,9 @@ class SideOptions:
 class TensorDiff:
     """One tensor name and how the two sides differ.
 
-    ``status``: ``identical`` (bit for bit), ``close`` (within atol/rtol), ``changed``,
-    ``dtype`` (dtypes differ; values compared in float64), ``shape`` (shapes differ; values not
+    ``status``: ``identical`` (bit for bit), ``close`` (within atol/rtol, whatever the dtypes:
+    values compared in float64, as ``verify --atol``), ``changed``, ``dtype`` (dtypes differ
+    and the values are not within a tolerance; compared in float64), ``shape`` (shapes differ; values not
     compared), ``only_a``/``only_b``. Statistics (float64, None when not computed or not
     finite): ``max_abs`` = max |B-A|, ``rel_change`` = ||B-A|| / ||A|| (Frobenius norms),
     ``cosine`` = <A,B> / (||A|| ||B||), ``differing`` = elements not equal (not within
@@ -155,11 +156,12 @@ class DiffResult:
                                                        for t in ts), rel))
         return out
 
-    def to_dict(self) -> dict:
+    def to_dict(self, top: int = 10) -> dict:
+        """The ``diff --json`` document; ``largest`` names at most ``top`` tensors."""
         return {"a": self.a, "b": self.b, "format_a": self.format_a, "format_b": self.format_b,
                 "atol": self.atol, "rtol": self.rtol, "same": self.same,
                 "counts": self.counts(), "warnings": self.warnings,
-                "largest": [t.name for t in self.largest()],
+                "largest": [t.name for t in self.largest(top)],
                 "layers": [{**asdict(lc), "rel_change": _json_num(lc.rel_change)}
                            for lc in self.by_layer()],
                 "tensors": [t.to_dict() for t in self.tensors]}
@@ -249,6 +251,12 @@ def diff_checkpoints(a: str, b: str, atol: float = 0.0, rtol: float = 0.0,
     finally:
         src_a.close()
         src_b.close()
+    kinds = sorted({(t.dtype_a, t.dtype_b) for t in out if t.status == "close"
+                    and t.dtype_a != t.dtype_b})
+    if kinds:  # a tolerance compares values, whatever their dtypes: say that they differ
+        n = sum(t.status == "close" and t.dtype_a != t.dtype_b for t in out)
+        warnings.append(f"{n} tensors are close within --atol/--rtol but stored in another "
+                        f"dtype ({', '.join(f'{x} in A, {y} in B' for x, y in kinds)})")
     return DiffResult(str(a), str(b), la.format, lb.format, out, atol, rtol, warnings)
 
 
@@ -353,17 +361,20 @@ def _stats(d: TensorDiff, va, vb, atol: float, rtol: float) -> None:
     d.rel_change = (d.norm_diff / d.norm_a if d.norm_a else
                     (0.0 if d.norm_diff == 0 else math.inf))
     d.cosine = sab / math.sqrt(sa * sb) if sa > 0 and sb > 0 else None
-    if d.dtype_a != d.dtype_b:
-        d.status = "dtype"
-    elif bad == 0 and (atol or rtol):
+    if bad == 0 and (atol or rtol):  # across dtypes too, as verify --atol compares values
         d.status = "close"
+    elif d.dtype_a != d.dtype_b:
+        d.status = "dtype"
     else:
         d.status = "changed"  # includes bits that differ between equal values (-0.0, 0.0)
 
 
 def check_readable(path: str) -> None:
-    """Raise :class:`BadCheckpointError` when ``path`` does not exist (before any import)."""
+    """Raise :class:`UsageError` (exit 2, as inspect/merge/verify) when ``path`` does not
+    exist (before any import)."""
     import os
 
+    from .errors import UsageError
+
     if not os.path.exists(path):
-        raise BadCheckpointError("no such file or folder", path)
+        raise UsageError("no such file or folder", path)

@@ -63,6 +63,10 @@ class MergeResult:
     seconds: float
     tensors: int
     warnings: list[str] = field(default_factory=list)
+    #: storage records whose CRC-32 was checked, and source files read without a check (no
+    #: CRC recorded: safetensors, legacy torch.save; or on another node)
+    crc_records: int = 0
+    crc_unchecked: list[str] = field(default_factory=list)
 
 
 def temp_dir_for(out: Path) -> Path:
@@ -486,6 +490,14 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         raise UsageError(f"cannot write beside the output: {e.strerror}", str(out)) from None
     t0 = time.perf_counter()
     w = _Writer(plan, on_progress, cancel, log, sources)
+    checker, crc_records, unchecked = None, [], []
+    if getattr(opts, "crc", True):
+        from .integrity import CrcChecker, plan_records
+
+        crc_records, unchecked = plan_records(plan, w.src.local)
+        if crc_records:  # in its own thread, overlapping the writing
+            checker = CrcChecker(crc_records, cancel, min(4, max(1, opts.workers)))
+            checker.start()
     try:
         written = []
         with ThreadPoolExecutor(max(1, opts.workers), thread_name_prefix="shardscope") as pool:
@@ -529,17 +541,21 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
                 raise BadCheckpointError(f"cannot copy: {e.strerror}", src) from None
             if log:
                 log(f"copied {rel}")
+        if checker is not None:
+            checker.result()  # raises when a record fails its CRC-32
         if cancel.is_set():
             raise MergeCancelled("merge cancelled")
         _move_into_place(tmp, out, opts.overwrite)
-    except BaseException:
+    except BaseException as e:
         cancel.set()  # stop workers still running
         shutil.rmtree(tmp, ignore_errors=True)
+        if checker is not None and isinstance(e, MergeCancelled):
+            checker.result()  # the writer stopped because a record failed its CRC-32
         raise
     finally:
         w.src.close()
     return MergeResult(str(out), written, plan.total_bytes, time.perf_counter() - t0,
-                       plan.tensor_count, warnings)
+                       plan.tensor_count, warnings, len(crc_records), unchecked)
 
 
 def _write_config_dtype(src: str, dst: Path, dtype: str) -> None:

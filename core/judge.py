@@ -195,6 +195,9 @@ def _read_json(config_dir: str) -> dict:
 
 def _load_config(config_dir: str | None, config_fields: dict | None, trust: bool):
     """(transformers config, raw dict). Raises Skip."""
+    from .phases import phase
+
+    phase("importing torch and transformers for the architecture check")
     from transformers import AutoConfig
 
     if config_dir is None:
@@ -382,6 +385,9 @@ def candidates(config_dir: str | None = None, config_fields: dict | None = None,
     """(config, [(class name, get class)], named, note) for a config: the class config.json
     names first (``named``; None when it names none transformers or its code provides), then
     the other heads of its ``model_type``. Raises Skip."""
+    from .phases import phase
+
+    phase("importing torch and transformers for the architecture check")
     import transformers
 
     config, raw = _load_config(config_dir, config_fields, trust_remote_code)
@@ -519,7 +525,10 @@ def _candidates_or_skip(config_dir, config_fields, trust):
 
 def _build_or_skip(key, name, get_cls, config):
     """The Expected of class ``name`` (or the Skip saying why not), from the cached model."""
+    from .phases import phase
+
     try:
+        phase(f"architecture check: building {name} on the meta device")
         cls = get_cls()
         return expected_tensors(cls, config, _model_cached(key, name, lambda: cls, config))
     except Skip as e:

@@ -70,6 +70,8 @@ class MergeOptions:
     strict: bool = True
     #: build a model class that only the config folder's own code (``auto_map``) defines
     trust_remote_code: bool = False
+    #: check the CRC-32 of every torch.save storage record the merge reads (core/integrity.py)
+    crc: bool = True
 
 
 @dataclass
@@ -231,6 +233,9 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     piece cannot be located; :class:`OutputExistsError` when the output exists and overwrite is
     off; :class:`UsageError` for a bad option.
     """
+    from .phases import phase
+
+    phase("planning the output files")
     if writing:
         check_output(Path(options.output), options.overwrite, layout.path)
     from .native_names import DETAIL as NATIVE

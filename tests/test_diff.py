@@ -170,7 +170,8 @@ def test_a_megatron_run_against_its_hugging_face_reference(megatron_root):
 
 def test_bad_inputs_exit_3_and_bad_options_exit_2(fixtures_root, tmp_path):
     r = run(tmp_path / "nothing", fixtures_root / "w2-qwen2-f32.reference")
-    assert r.returncode == 3 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    # a missing path is a usage error, as for inspect/merge/verify
+    assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "empty").mkdir()
     r = run(tmp_path / "empty", fixtures_root / "w2-qwen2-f32.reference")
     assert r.returncode == 3 and "Traceback" not in r.stderr

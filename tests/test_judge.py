@@ -262,7 +262,8 @@ def test_remote_code_is_checked_only_when_trusted(remote_folder, tmp_path):
                         "--check", "--json"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     check_obj = json.loads(r.stdout)["check"]
-    assert check_obj["skipped"] and "check-skipped" in r.stdout
+    assert check_obj["skipped"] and not json.loads(r.stdout)["problems"]  # a stated skip
+    assert any("architecture check skipped" in n for n in json.loads(r.stdout)["notes"])
 
 
 def test_remote_code_never_prompts(remote_folder, tmp_path):

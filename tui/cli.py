@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--deep", action="store_true",
                    help="first read every source byte and check the CRC-32 that torch.save "
                         "records (refuses flipped bytes in tensor data; costs one more read)")
+    m.add_argument("--no-crc", dest="crc", action="store_false",
+                   help="skip the CRC-32 check of the torch.save storage records the merge "
+                        "reads (on by default, overlapping the writing)")
     m.add_argument("--hf-config", metavar="DIR",
                    help="folder whose config/tokenizer files are copied (never its weights)")
     m.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -214,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             from tui.app import run_app
 
             return run_app()
-        return {"inspect": cmd_inspect, "merge": cmd_merge, "verify": cmd_verify,
-                "sample": cmd_sample, "upload": cmd_upload, "diff": cmd_diff}[args.command](args)
+        with _signals_interrupt():
+            return {"inspect": cmd_inspect, "merge": cmd_merge, "verify": cmd_verify,
+                    "sample": cmd_sample, "upload": cmd_upload,
+                    "diff": cmd_diff}[args.command](args)
     except ShardscopeError as e:
         print(f"shardscope: {e}", file=sys.stderr)
         return e.exit_code
@@ -235,6 +240,33 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+class _signals_interrupt:
+    """For the whole command (reading, planning, writing): SIGTERM and SIGHUP unwind like
+    Ctrl-C (KeyboardInterrupt), so every command exits 130 with "interrupted; nothing was
+    written" and a merge removes its temporary folder. The previous handlers come back after."""
+
+    def __enter__(self):
+        import signal
+
+        def stop(signum, frame):
+            raise KeyboardInterrupt
+
+        self.old = {}
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self.old[s] = signal.signal(s, stop)
+            except ValueError:  # not the main thread (an embedding program): leave them
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        return False
+
+
 def _check_args(args) -> None:
     """Refuse impossible option values before any work (:class:`UsageError`, exit 2): an
     input path that does not exist, ``--workers`` (or ``sample --world-size``) below 1."""
@@ -245,6 +277,10 @@ def _check_args(args) -> None:
         # under --distributed PATH may hold {rank}; each process checks its own folder
         if path and not getattr(args, "distributed", False) and not os.path.exists(path):
             raise UsageError("no such file or folder", path)
+    if args.command == "diff":
+        for path in (args.a, args.b):
+            if not os.path.exists(path):
+                raise UsageError("no such file or folder", path)
     if args.command == "verify" and args.reference and not os.path.exists(args.reference):
         raise UsageError("no such file or folder", args.reference)
     if args.command == "merge" and args.workers < 1:
@@ -354,15 +390,14 @@ def stdout_console():
 
 
 def add_verdict(layout, verdict) -> None:
-    """Record the judge's verdict on ``layout``: a note when it matches, an
-    ``architecture-mismatch`` error or a ``check-skipped`` warning otherwise."""
+    """Record the judge's verdict on ``layout``: a note when it matches or when the check
+    could not be made (``architecture check skipped: <why>``: a stated skip, as merge states
+    it, not a problem of the files), an ``architecture-mismatch`` error otherwise."""
     from core import Problem
 
     where = layout.config_dir or layout.path
-    if verdict.ok:
+    if verdict.ok or verdict.skipped is not None:
         layout.notes.append(verdict.summary())
-    elif verdict.skipped is not None:
-        layout.problems.append(Problem("check-skipped", verdict.summary(), where, "warning"))
     else:
         layout.problems.append(Problem("architecture-mismatch", verdict.summary(), where))
 
@@ -402,8 +437,13 @@ def cmd_merge(args) -> int:
     if log:
         log(f"reading the layout of {path}")
     started = time.perf_counter()
-    layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights,
-                    hf_config=args.hf_config or args.hf_model_path)
+    phases = _Phases(err, show=not args.quiet and err.is_terminal, log=log)
+    with phases:
+        layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights,
+                        hf_config=args.hf_config or args.hf_model_path)
+    if (layout.notes and layout.notes[0].startswith("reading the whole checkpoint folder")
+            and not args.quiet):
+        err.print(f"note: {layout.notes[0]}", highlight=False)  # PATH was one of its files
     if layout.lora is None:
         given = [f for f, v in (("--lora-alpha", args.lora_alpha),
                                 ("--lora-adapter", args.lora_adapter),
@@ -420,8 +460,10 @@ def cmd_merge(args) -> int:
                         lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
                         lora_config=args.lora_config, base_model=args.base_model,
                         model_card=not args.no_card, hf_upload=repo_id, private=args.private,
-                        strict=args.strict, trust_remote_code=args.trust_remote_code)
-    plan = plan_merge(layout, opts)
+                        strict=args.strict, trust_remote_code=args.trust_remote_code,
+                        crc=args.crc)
+    with phases:
+        plan = plan_merge(layout, opts)
     for w in plan.warnings if not args.quiet else ():  # -q: errors only, and the exit code
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
     if log:
@@ -457,6 +499,37 @@ def _merge_summary(result, plan, started, err) -> None:
           f"{result.tensors} tensors, {human_bytes(result.tensor_bytes)} in {total:.2f} s "
           f"(reading the layout and planning {total - result.seconds:.2f} s, writing "
           f"{result.seconds:.2f} s at {human_bytes(rate)}/s)")
+
+
+class _Phases:
+    """While reading the layout and planning: core's phase reports (core/phases.py) shown as
+    one transient status line on a terminal, and logged with ``-v``. Re-entrant: one block per
+    step (the --deep progress bar runs between them)."""
+
+    def __init__(self, err, show: bool, log):
+        self.err, self.show, self.log = err, show, log
+
+    def __enter__(self):
+        from core.phases import reporting
+
+        self.status = self.err.status("reading the layout") if self.show else None
+        if self.status is not None:
+            self.status.__enter__()
+        self.ctx = reporting(self.update)
+        self.ctx.__enter__()
+        return self
+
+    def update(self, text: str) -> None:
+        if self.status is not None:
+            self.status.update(text)
+        if self.log:
+            self.log(text)
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
+        if self.status is not None:
+            self.status.__exit__(*exc)
+        return False
 
 
 def _merge_distributed(args, path, output, repo_id, err, log) -> int:
@@ -654,7 +727,7 @@ def cmd_diff(args) -> int:
         print("shardscope: interrupted", file=sys.stderr)
         return 130
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict(top=args.top), indent=2))
     else:
         from tui.render import render_diff
 

@@ -51,7 +51,13 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
             if mod.__name__.endswith(".dcp") and not layout.tensors:
                 _optimizer_folder(p)
             _files_inside(layout, p)
+            if given.is_file() and Path(layout.path).resolve() != given.resolve():
+                layout.notes.insert(0, f"reading the whole checkpoint folder {layout.path} "
+                                       f"that this file ({given.name}) belongs to")
             return finish_layout(layout, hf_config)
+    if given.is_file():
+        raise BadCheckpointError("not a checkpoint file (expected a folder, .pt/.bin/"
+                                 ".safetensors)", str(given), code="not-a-checkpoint")
     inside = _checkpoints_inside(p)
     if inside:
         raise BadCheckpointError("not a checkpoint itself; these folders inside it are: "

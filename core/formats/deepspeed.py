@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
+from ..phases import phase
 from .common import attach_config, contained, problem_for, stat_file
 from .torchsave import Record, TensorRef, read_torch_archive
 
@@ -288,6 +289,7 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
                 layout.problems.append(Problem("missing-rank", f"{what}: no optimizer file",
                                                fpath))
                 continue
+            phase(f"reading optimizer files: {what}")
             try:
                 osd = _get(read_torch_archive(fpath).root, "optimizer_state_dict")
                 st["groups"][r] = _flat_groups(osd, fpath)

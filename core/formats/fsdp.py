@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
+from ..phases import phase
 from .common import attach_config, clean_key, problem_for, stat_file
 from .torchsave import DType, Record, TensorRef, read_torch_archive
 
@@ -912,6 +913,7 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
                 layout.problems.append(Problem("missing-rank", f"rank {r} of {world} is "
                                                "missing", fpath))
             continue
+        phase(f"reading rank files {len(layout.files)}/{world}")
         try:
             b.mesh_cache.clear()
             archive = read_torch_archive(fpath, reuse=templates.reuse)

@@ -20,6 +20,7 @@ from .. import megatron as mg
 from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
+from ..phases import phase
 from .common import contained, corrupt_is_bad, problem_for, stat_file
 from .torchsave import TensorRef, read_torch_archive
 
@@ -139,6 +140,7 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
             layout.problems.append(Problem("missing-rank", f"{rd.name} holds no "
                                            f"{FILE_NAMES[0]}", str(f)))
             continue
+        phase(f"reading rank files {len(layout.files)}: {rd.name}")
         try:
             root = read_torch_archive(str(f)).root
         except BadCheckpointError as e:

@@ -622,6 +622,15 @@ def _read_archive(path: str, base: int, length: int | None, reuse=None) -> Torch
         if base + length > size:
             raise BadCheckpointError(f"file is {size} bytes, the checkpoint needs "
                                      f"{base + length}: truncated", path)
+        if size == 0:
+            raise BadCheckpointError("empty file (0 bytes)", path)
+        f.seek(base)
+        magic = f.read(4)
+        if magic != b"PK\x03\x04" and not (base == 0 and magic[:1] == b"\x80"):
+            # a zip archive starts with a local file header (APPNOTE.TXT 4.3.7); a legacy
+            # torch.save file with a pickle protocol opcode (0x80)
+            raise BadCheckpointError("not a zip archive (torch.save) file: it does not start "
+                                     "with a zip header", path)
         # one mapping for the directory, the pickle and all local headers: a read() per
         # storage costs more on big files
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
