@@ -108,17 +108,16 @@ def megatron_root() -> Path:
 
     import torch
 
-    from core.sample_megatron import FAMILIES, LAYOUTS
-    from fixtures_megatron import write_megatron_groups
+    from core.sample_megatron import FAMILIES, write_megatron
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("megatron-core"),
          (ROOT / "core" / "sample_megatron.py").read_text(),
-         (ROOT / "core" / "sample.py").read_text(),
-         (ROOT / "tests" / "fixtures_megatron.py").read_text()]).encode()).hexdigest()[:16]
+         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
 
-    def write(tmp: Path) -> None:  # one process group for every family (fixtures_megatron)
-        write_megatron_groups(tmp, {f: (FAMILIES[f], False, LAYOUTS[f]) for f in FAMILIES})
+    def write(tmp: Path) -> None:
+        for family in FAMILIES:
+            write_megatron(tmp / family, family)
 
     return cached(_cache_root().parent / f"megatron-{key}", write)
 

@@ -3,7 +3,11 @@ sets) written with one gloo process group per world size instead of one per fami
 torch, transformers and megatron-core is most of a rank's time. Each rank runs the writers of
 those modules unchanged (``_write_reference``, then ``_write_layout`` per layout) for every
 family of its world size in turn; every family seeds its own models (``torch.manual_seed``), so
-the files hold the same weights as one process group per family would write."""
+the files hold the same weights as one process group per family would write. Not the same
+bytes everywhere: a legacy ``model_optim_rng.pt`` records the process's Python RNG state, whose
+pickle size depends on what ran before in that process, and ``test_snapshots_small`` draws the
+file sizes of ``megatron_root``'s ``llama/tp2_pp2/legacy``; so only ``megatron_moe_root`` uses
+this writer."""
 
 from __future__ import annotations
 
