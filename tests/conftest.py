@@ -150,17 +150,18 @@ def megatron_moe_root() -> Path:
 
     import torch
 
-    from core.sample_megatron_moe import MOE_SETS, write_moe
+    from core.sample_megatron_moe import MOE_SETS
+    from fixtures_megatron import write_megatron_groups
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("megatron-core")] + [
             (ROOT / "core" / n).read_text() for n in
-            ("sample_megatron_moe.py", "sample_megatron.py", "sample.py")]).encode()
+            ("sample_megatron_moe.py", "sample_megatron.py", "sample.py")] +
+        [(ROOT / "tests" / "fixtures_megatron.py").read_text()]).encode()
     ).hexdigest()[:16]
 
-    def write(tmp: Path) -> None:
-        for name in MOE_SETS:
-            write_moe(tmp / name, name)
+    def write(tmp: Path) -> None:  # one process group per world size (fixtures_megatron)
+        write_megatron_groups(tmp, MOE_SETS)
 
     return cached(_cache_root().parent / f"megatron-moe-{key}", write, lock="lock-moe")
 

@@ -32,13 +32,15 @@ def ds_root():
     import hashlib
     import json
 
-    from core.sample import write_deepspeed
+    from fixtures_deepspeed import write_deepspeed_groups
 
-    key = hashlib.sha256(json.dumps(DS, sort_keys=True).encode()).hexdigest()[:8]
+    key = hashlib.sha256(json.dumps(
+        [DS, (ROOT / "tests" / "fixtures_deepspeed.py").read_text()],
+        sort_keys=True).encode()).hexdigest()[:8]
 
-    def write(tmp: Path) -> None:
-        for i, (name, (world, stage, dtype, tie)) in enumerate(DS.items()):
-            write_deepspeed(tmp, world, name, stage, dtype, tie, seed=40 + i)
+    def write(tmp: Path) -> None:  # one process group per world size (fixtures_deepspeed)
+        write_deepspeed_groups(tmp, {name: (world, stage, dtype, tie, 40 + i) for i, (
+            name, (world, stage, dtype, tie)) in enumerate(DS.items())})
 
     return cached(_cache_root().with_name(f"{_cache_root().name}-deepspeed-{key}"), write,
                   lock="lock-ds")
