@@ -27,7 +27,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+# this checkout's core/ and tui/ as shardscope.core/.tui, here and in the jobs this script
+# starts (`python -m shardscope.tui.cli`, `python -c`), whatever install the venv holds: see
+# tests/shim/shardscope/__init__.py. ROOT too, for `bench.write_ckpt`.
+SHIM = ROOT / "tests" / "shim"
+sys.path[:0] = [str(SHIM), str(ROOT)]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(SHIM)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 # Runs a command and prints the peak RSS (KiB) over its whole process tree, sampled from /proc
 # every 20 ms, plus getrusage's max of any single descendant (which also catches short peaks).

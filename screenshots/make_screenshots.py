@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+# this checkout's core/ and tui/ as shardscope.core/.tui (tests/shim/shardscope/__init__.py)
+sys.path.insert(0, str(HERE.parent / "tests" / "shim"))
 
 from core.sample import write_sample  # noqa: E402
 from tui.app import make_app  # noqa: E402

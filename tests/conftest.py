@@ -18,7 +18,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+
+# The project installs as one package: the folders core/ and tui/ are shardscope.core and
+# shardscope.tui (pyproject.toml). The tests import *this checkout's* folders under those names
+# whatever the virtualenv's editable install points at (several git worktrees share one venv):
+# tests/shim/shardscope is a regular package whose __path__ is this checkout's root (see its
+# docstring). It goes first on sys.path, for this process and for the multiprocessing spawn
+# children (they copy sys.path), and first on PYTHONPATH, for the subprocesses the tests start
+# (`python -m shardscope.tui.cli`, `python -c`, torchrun), which inherit os.environ. The root
+# itself is not put on sys.path: nothing may import a top-level `core` or `tui`.
+SHIM = ROOT / "tests" / "shim"
+sys.path.insert(0, str(SHIM))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(SHIM)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                   if p and p != str(SHIM)])
+_pkg = sys.modules.get("shardscope")
+if _pkg is not None and list(getattr(_pkg, "__path__", [])) != [str(ROOT)]:
+    raise RuntimeError(f"`shardscope` was imported from {list(_pkg.__path__)} before "
+                       f"tests/conftest.py could point it at {ROOT}")
 
 from core.sample import Variant, write_checkpoints  # noqa: E402
 

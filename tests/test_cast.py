@@ -44,9 +44,9 @@ def test_cast_matches_torch(src, dst):
 def test_cast_in_chunks_matches_torch(src, dst, monkeypatch):
     """Chunk boundaries and a short last chunk: the casts work CHUNK elements at a time
     (made small here); ties, NaNs and denormals fall on both sides of every boundary."""
-    import core.cast
+    from core import cast
 
-    monkeypatch.setattr(core.cast, "CHUNK", 999)
+    monkeypatch.setattr(cast, "CHUNK", 999)
     g = torch.Generator().manual_seed(1)
     hi = torch.randint(0, 1 << 16, (4000,), generator=g, dtype=torch.int32)
     ties = ((hi << 16) | 0x8000).view(torch.float32)  # exactly halfway between two BF16s
