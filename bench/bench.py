@@ -94,7 +94,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "model_world_size_*_rank_*.p
 # Reading the layout and planning, without writing: the merge's fixed cost.
 PLAN_ONLY = r"""
 import sys
-from core import MergeOptions, detect, plan_merge
+from shardscope.core import MergeOptions, detect, plan_merge
 plan_merge(detect(sys.argv[1]), MergeOptions(output=sys.argv[1] + ".plan-only"))
 """
 
@@ -120,8 +120,8 @@ os.remove(sys.argv[2] + ".pt")
 APP_START = r"""
 import asyncio, sys, time
 t0 = time.perf_counter()
-from tui.app import make_app
-from tui.screens.inspector import InspectorScreen
+from shardscope.tui.app import make_app
+from shardscope.tui.screens.inspector import InspectorScreen
 async def main():
     app = make_app(sys.argv[1])
     async with app.run_test(size=(110, 34)) as pilot:
@@ -150,13 +150,13 @@ def measure(cmd: list[str], out: Path | None, reps: int) -> dict:
 
 
 def detect_names(path: Path) -> list[str]:
-    from core import detect
+    from shardscope.core import detect
 
     return list(detect(path).tensors)
 
 
 def model_bytes(fsdp_dir: Path) -> int:
-    from core import detect
+    from shardscope.core import detect
 
     return detect(fsdp_dir).bytes
 
@@ -165,7 +165,7 @@ def _layout_and_plan_cpu(path: Path) -> tuple[float, float]:
     """CPU seconds of reading the layout and of planning the merge on it, in a fresh
     process (CPU time: the wall time of a loaded machine says little about a step)."""
     code = ("import sys, time\n"
-            "from core import MergeOptions, detect, plan_merge\n"
+            "from shardscope.core import MergeOptions, detect, plan_merge\n"
             "t = time.process_time(); layout = detect(sys.argv[1])\n"
             "t1 = time.process_time()\n"
             "plan_merge(layout, MergeOptions(output=sys.argv[1] + '.plan-only'))\n"
@@ -179,7 +179,7 @@ def _layout_and_plan_cpu(path: Path) -> tuple[float, float]:
 def _megatron_checkpoint(cache: Path) -> Path:
     """A Llama-shaped model of about 1.9 GB fp32 (8 layers, hidden 2048, GQA 16/4, SwiGLU
     5504, vocabulary 32000) written by megatron-core as TP=2 x PP=2, cached."""
-    from core.sample_megatron import Family, write_megatron
+    from shardscope.core.sample_megatron import Family, write_megatron
 
     out = cache / "megatron-llama-1.9gb"
     if not (out / "complete").exists():
@@ -231,7 +231,7 @@ def main() -> None:
     fsdp, dcp = cache / "fsdp", cache / "dcp"
     size = model_bytes(fsdp)
     shard_bytes = sum(p.stat().st_size for p in fsdp.glob("*.pt"))
-    exe = [sys.executable, "-m", "tui.cli"]
+    exe = [sys.executable, "-m", "shardscope.tui.cli"]
     out = work / "out"
     jobs: list[tuple[str, list[str], Path | None, int | None]] = [
         ("copy floor (read shards, write same bytes)",

@@ -67,7 +67,7 @@ def _rank(rank: int, world: int, port: int, out: str, gb: float) -> None:
                                                                "world_size": world}))
         config.architectures = ["Qwen2ForCausalLM"]
         config.save_pretrained(fsdp_dir / "huggingface")
-        from core.sample import tiny_tokenizer
+        from shardscope.core.sample import tiny_tokenizer
 
         tiny_tokenizer(config.vocab_size).save_pretrained(fsdp_dir / "huggingface")
     dist.barrier()
@@ -77,7 +77,7 @@ def _rank(rank: int, world: int, port: int, out: str, gb: float) -> None:
 def write_fsdp_and_dcp(out: str | os.PathLike, gb: float, world: int) -> None:
     import torch.multiprocessing as mp
 
-    from core.sample import _free_port
+    from shardscope.core.sample import _free_port
 
     for d in ("fsdp", "dcp"):
         Path(out, d).mkdir(parents=True, exist_ok=True)

@@ -15,11 +15,11 @@ HERE = Path(__file__).resolve().parent
 # this checkout's core/ and tui/ as shardscope.core/.tui (tests/shim/shardscope/__init__.py)
 sys.path.insert(0, str(HERE.parent / "tests" / "shim"))
 
-from core.sample import write_sample  # noqa: E402
-from tui.app import make_app  # noqa: E402
-from tui.screens.inspector import InspectorScreen  # noqa: E402
-from tui.screens.merge_options import MergeOptionsScreen  # noqa: E402
-from tui.screens.merge_run import MergeRunScreen  # noqa: E402
+from shardscope.core.sample import write_sample  # noqa: E402
+from shardscope.tui.app import make_app  # noqa: E402
+from shardscope.tui.screens.inspector import InspectorScreen  # noqa: E402
+from shardscope.tui.screens.merge_options import MergeOptionsScreen  # noqa: E402
+from shardscope.tui.screens.merge_run import MergeRunScreen  # noqa: E402
 
 SIZE = (110, 34)
 
@@ -123,7 +123,7 @@ def main() -> None:
         asyncio.run(shoot(tmp / "global_step_100" / "actor", tmp / "merged_hf"))
         asyncio.run(shoot_small(tmp / "global_step_100" / "actor"))
         try:
-            from core.sample_megatron import write_megatron
+            from shardscope.core.sample_megatron import write_megatron
 
             write_megatron(tmp / "megatron", "llama", [(2, 2, 0, 1, False)])
         except ImportError:

@@ -37,7 +37,7 @@ if _pkg is not None and list(getattr(_pkg, "__path__", [])) != [str(ROOT)]:
     raise RuntimeError(f"`shardscope` was imported from {list(_pkg.__path__)} before "
                        f"tests/conftest.py could point it at {ROOT}")
 
-from core.sample import Variant, write_checkpoints  # noqa: E402
+from shardscope.core.sample import Variant, write_checkpoints  # noqa: E402
 
 #: world size -> variants written by one process group of that size
 VARIANTS: dict[int, list[Variant]] = {
@@ -125,7 +125,7 @@ def megatron_root() -> Path:
 
     import torch
 
-    from core.sample_megatron import FAMILIES, write_megatron
+    from shardscope.core.sample_megatron import FAMILIES, write_megatron
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("megatron-core"),
@@ -167,7 +167,7 @@ def megatron_moe_root() -> Path:
 
     import torch
 
-    from core.sample_megatron_moe import MOE_SETS
+    from shardscope.core.sample_megatron_moe import MOE_SETS
     from fixtures_megatron import write_megatron_groups
 
     key = hashlib.sha256(json.dumps(
@@ -193,7 +193,7 @@ def models_root() -> Path:
 
     import torch
 
-    from core.sample_models import write_deepspeed_moe, write_models
+    from shardscope.core.sample_models import write_deepspeed_moe, write_models
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("transformers"),
@@ -216,7 +216,7 @@ def lora_root() -> Path:
 
     import torch
 
-    from core.sample_lora import SPECS, write_lora_checkpoints
+    from shardscope.core.sample_lora import SPECS, write_lora_checkpoints
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("peft"), version("transformers"),
@@ -290,7 +290,7 @@ async def inspector_ready(pilot, app, checked: bool = False, tries: int = 400):
     """Wait until the inspector is the screen *and* has run its on_mount (its widgets exist);
     with ``checked``, also until the background architecture check has posted its verdict, so
     a snapshot does not depend on how fast torch imports on a loaded machine."""
-    from tui.screens.inspector import InspectorScreen
+    from shardscope.tui.screens.inspector import InspectorScreen
 
     await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen)
                    and app.screen.is_mounted, tries=tries)
@@ -311,7 +311,7 @@ def formats_root() -> Path:
          (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
 
     def write(tmp: Path) -> None:
-        from core.sample_formats import write_formats
+        from shardscope.core.sample_formats import write_formats
 
         write_formats(tmp)
 
@@ -328,7 +328,7 @@ def heads_root() -> Path:
 
     import torch
 
-    from core.sample_heads import write_heads
+    from shardscope.core.sample_heads import write_heads
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("transformers"),

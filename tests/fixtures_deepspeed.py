@@ -17,7 +17,7 @@ def write_deepspeed_groups(root: str | os.PathLike,
     processes per world size. Raises when a rank fails (torch.multiprocessing)."""
     import torch.multiprocessing as mp
 
-    from core.sample import _free_port
+    from shardscope.core.sample import _free_port
 
     Path(root).mkdir(parents=True, exist_ok=True)
     for world in sorted({j[0] for j in jobs.values()}):
@@ -27,7 +27,7 @@ def write_deepspeed_groups(root: str | os.PathLike,
 
 
 def _rank_main(rank: int, world: int, port: int, root: str, jobs: list[tuple]) -> None:
-    from core.sample import _deepspeed_rank
+    from shardscope.core.sample import _deepspeed_rank
 
     for name, stage, dtype, tie, seed in jobs:
         _deepspeed_rank(rank, world, port, root, name, stage, dtype, tie, seed)

@@ -26,7 +26,7 @@ def write_megatron_groups(root: str | os.PathLike, sets: dict[str, tuple]) -> No
     Raises when a rank fails (torch.multiprocessing)."""
     import torch.multiprocessing as mp
 
-    from core.sample import _free_port
+    from shardscope.core.sample import _free_port
 
     by_world: dict[int, list] = {}
     for name, (f, grouped, layouts) in sets.items():
@@ -51,8 +51,8 @@ def _rank_main(rank: int, world: int, port: int, root: str, jobs: list) -> None:
     import torch
     import torch.distributed as dist
 
-    from core import sample_megatron as sm
-    from core.sample_megatron import Family
+    from shardscope.core import sample_megatron as sm
+    from shardscope.core.sample_megatron import Family
 
     sm._cpu_only()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -80,7 +80,7 @@ def _use_grouped_gemm(sm) -> None:
     ``GroupedMLP`` experts and record ``moe_grouped_gemm`` in ``args`` (this process only)."""
     from megatron.core.transformer.moe import grouped_gemm_util as gg
 
-    from core import sample_megatron_moe as smm
+    from shardscope.core import sample_megatron_moe as smm
 
     gg.assert_grouped_gemm_is_available = lambda: None
     if sm._models is smm._grouped_models:

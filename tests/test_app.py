@@ -7,12 +7,12 @@ import threading
 import pytest
 
 from conftest import inspector_ready, wait_for
-from core.execute import _Writer
+from shardscope.core.execute import _Writer
 from test_merge_exact import assert_bit_equal, load
-from tui.app import make_app
-from tui.screens.merge_options import MergeOptionsScreen
-from tui.screens.merge_run import MergeRunScreen
-from tui.widgets.param_tree import ParamTree
+from shardscope.tui.app import make_app
+from shardscope.tui.screens.merge_options import MergeOptionsScreen
+from shardscope.tui.screens.merge_run import MergeRunScreen
+from shardscope.tui.widgets.param_tree import ParamTree
 
 
 def leaves(tree: ParamTree) -> list[str]:
@@ -158,7 +158,7 @@ async def test_statistics_of_a_sharded_tensor(fixtures_root):
 
 @pytest.mark.asyncio
 async def test_browser_marks_checkpoints(fixtures_root):
-    from tui.screens.browser import BrowserScreen
+    from shardscope.tui.screens.browser import BrowserScreen
 
     app = make_app(str(fixtures_root))
     async with app.run_test(size=(120, 40)) as pilot:
@@ -224,9 +224,9 @@ async def test_upload_progress_bar_reaches_the_total(fixtures_root, tmp_path, mo
     import huggingface_hub.constants
     from textual.widgets import ProgressBar
 
-    from core.publish import upload_files
+    from shardscope.core.publish import upload_files
     from fake_hub import FakeHub
-    from tui.format import human_bytes
+    from shardscope.tui.format import human_bytes
 
     calls = []
     real = MergeRunScreen.on_upload_progress

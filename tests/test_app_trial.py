@@ -7,8 +7,8 @@ import pytest
 
 from conftest import copy_checkpoint, inspector_ready, wait_for
 from test_merge_exact import assert_bit_equal, load
-from tui.app import make_app
-from tui.screens.browser import BrowserScreen
+from shardscope.tui.app import make_app
+from shardscope.tui.screens.browser import BrowserScreen
 
 #: folder name in the test -> (fixture checkpoint, the mark the browser must show)
 CHECKPOINTS = {
@@ -77,8 +77,8 @@ async def test_merge_form_takes_typing_at_once_and_enter_submits(fixtures_root, 
     merge, which is bit-exact."""
     from textual.widgets import Checkbox, Input
 
-    from tui.screens.merge_options import MergeOptionsScreen
-    from tui.screens.merge_run import MergeRunScreen
+    from shardscope.tui.screens.merge_options import MergeOptionsScreen
+    from shardscope.tui.screens.merge_run import MergeRunScreen
 
     out = tmp_path / "typed-out"
     app = make_app(str(fixtures_root / "w2-qwen2-f32"))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import copy_checkpoint, inspector_ready, wait_for
-from tui.app import make_app
-from tui.screens.browser import BrowserScreen
-from tui.screens.inspector import InspectorScreen
-from tui.widgets.param_tree import ParamTree
+from shardscope.tui.app import make_app
+from shardscope.tui.screens.browser import BrowserScreen
+from shardscope.tui.screens.inspector import InspectorScreen
+from shardscope.tui.widgets.param_tree import ParamTree
 
 
 def _walk(node):
@@ -95,7 +95,7 @@ async def test_browser_marks_every_folder_and_goes_up(fixtures_root, tmp_path):
 
 
 async def open_form(pilot, app, out):
-    from tui.screens.merge_options import MergeOptionsScreen
+    from shardscope.tui.screens.merge_options import MergeOptionsScreen
 
     await inspector_ready(pilot, app)
     await pilot.press("m")
@@ -110,7 +110,7 @@ async def test_failed_merge_shows_whole_error_and_stops(fixtures_root, tmp_path)
     bars stop, the message is shown whole, escape goes back."""
     from textual.widgets import ProgressBar
 
-    from tui.screens.merge_run import MergeRunScreen
+    from shardscope.tui.screens.merge_run import MergeRunScreen
 
     src = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / ("a-folder-name-long-enough-to-wrap-" * 3))
     app = make_app(str(src))
@@ -181,10 +181,10 @@ async def test_form_labels_lora_fields_and_speaks_its_own_words(fixtures_root, t
 
 def test_help_lists_every_binding():
     """Item 7: every key a screen binds is in the help, and tab, space, s, n are explained."""
-    from tui.screens.browser import BrowserScreen
-    from tui.screens.compare import CompareScreen
-    from tui.screens.help import KEYS
-    from tui.screens.merge_run import MergeRunScreen
+    from shardscope.tui.screens.browser import BrowserScreen
+    from shardscope.tui.screens.compare import CompareScreen
+    from shardscope.tui.screens.help import KEYS
+    from shardscope.tui.screens.merge_run import MergeRunScreen
 
     listed = {k.strip() for _, rows in KEYS for keys, _ in rows for k in keys.split(",")}
     names = {"slash": "/", "question_mark": "?"}
@@ -216,8 +216,8 @@ def test_summary_labels_never_touch_their_values(megatron_root):
     pytest.importorskip("megatron.core")
     from rich.text import Text
 
-    from core import detect
-    from tui.widgets.layout_summary import summary_text
+    from shardscope.core import detect
+    from shardscope.tui.widgets.layout_summary import summary_text
 
     layout = detect(str(megatron_root / "llama" / "tp2_pp2" / "legacy"))
     labels = ["format", "world size", "device mesh", "tensors", "config", *layout.details]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, copy_checkpoint
-from core import MergeCancelled, MergeOptions, detect, plan_merge, run_merge
+from shardscope.core import MergeCancelled, MergeOptions, detect, plan_merge, run_merge
 
 
 def codes(layout):
@@ -24,7 +24,8 @@ def codes(layout):
 
 
 def merge_cli(src, out):
-    return subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "-o", str(out)],
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
+                           str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -216,7 +217,7 @@ def test_duplicate_key_across_output_shards(fixtures_root, tmp_path):
     save_file(last, shards[-1], metadata={"format": "pt"})
     layout = detect(out)
     assert ("duplicate-key", shards[-1].name) in codes(layout)
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(out)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "verify", str(out)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 1 and "duplicate-key" in r.stdout
 
@@ -227,14 +228,15 @@ def test_deep_finds_flipped_bytes_in_tensor_data(w3):
     f = w3 / "model_world_size_3_rank_1.pt"
     flip_largest_storage(f)
     assert not detect(w3).problems  # metadata only: the data is not read
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(w3), "--deep", "--json"],
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", str(w3), "--deep",
+                        "--json"],
                        cwd=ROOT, capture_output=True, text=True)
     probs = json.loads(r.stdout)["problems"]
     assert [(p["code"], Path(p["path"]).name) for p in probs] == [("checksum-mismatch", f.name)]
 
 
 def test_deep_counts_nan_and_inf(fixtures_root, tmp_path):
-    from core.formats.safetensors_file import read_header
+    from shardscope.core.formats.safetensors_file import read_header
 
     ref = copy_checkpoint(fixtures_root / "w2-qwen2-f32.reference", tmp_path / "ref")
     entries, _ = read_header(str(ref / "model.safetensors"))
@@ -242,7 +244,8 @@ def test_deep_counts_nan_and_inf(fixtures_root, tmp_path):
     with open(ref / "model.safetensors", "r+b") as fh:
         fh.seek(e.byte_offset)
         fh.write(bytes.fromhex("0000c07f") * 3 + bytes.fromhex("0000807f"))  # 3 NaN, 1 +Inf
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(ref), "--deep", "--json"],
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", str(ref), "--deep",
+                        "--json"],
                        cwd=ROOT, capture_output=True, text=True)
     probs = json.loads(r.stdout)["problems"]
     assert [(p["code"], p["message"]) for p in probs] == [
@@ -251,13 +254,13 @@ def test_deep_counts_nan_and_inf(fixtures_root, tmp_path):
 
 KILL_SCRIPT = """
 import sys, time
-from core.execute import _Writer
+from shardscope.core.execute import _Writer
 real = _Writer.write_tensor
 def slow(self, *a):  # the test's gate: make the merge last long enough to be killed
     time.sleep(0.2)
     return real(self, *a)
 _Writer.write_tensor = slow
-from tui.cli import main
+from shardscope.tui.cli import main
 sys.exit(main(["merge", sys.argv[1], "-o", sys.argv[2], "--workers", "1", "-q"]))
 """
 
@@ -329,7 +332,8 @@ def test_one_byte_in_dcp_metadata_never_gives_a_merge(fixtures_root, tmp_path):
 
 def test_absurd_world_size_in_a_file_name_does_not_hang(w3):
     os.rename(w3 / "model_world_size_3_rank_0.pt", w3 / "model_world_size_99999999_rank_0.pt")
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(w3), "--json"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", str(w3), "--json"],
+                       cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 3
     found = {p["code"] for p in json.loads(r.stdout)["problems"]}
@@ -354,11 +358,11 @@ def test_config_that_is_not_an_object(w3):
 def test_empty_tensors_in_deep_inspect_and_verify(fixtures_root, tmp_path):
     src = fixtures_root / "w3-buffers"
     assert detect(src).tensors["model.no_elements"].shape == (0, 4)
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(src), "--deep"],
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", str(src), "--deep"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "no problems found" in r.stdout, r.stderr
     run_merge(plan_merge(detect(src), MergeOptions(str(tmp_path / "o"), strict=False)))
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(tmp_path / "o"),
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "verify", str(tmp_path / "o"),
                         "--reference", str(fixtures_root / "w3-buffers.reference")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "all tensors match" in r.stdout, r.stdout + r.stderr
@@ -381,7 +385,7 @@ def test_config_that_ties_a_separately_trained_lm_head_is_refused(fixtures_root,
     cfg["tie_word_embeddings"] = True
     (cfg_dir / "config.json").write_text(json.dumps(cfg))
     extra = [] if cfg_dir.parent == ck else ["--hf-config", str(cfg_dir)]
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "o"), *extra], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 3, r.stderr
     assert "lm_head.weight" in r.stderr and "trained apart" in r.stderr, r.stderr

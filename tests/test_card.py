@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core import MergeOptions, detect, plan_merge
+from shardscope.core import MergeOptions, detect, plan_merge
 
 
 def card(path, tmp_path, **opts) -> str:
@@ -27,7 +27,8 @@ def test_card_with_lora_alpha_given_and_rslora(fixtures_root, tmp_path):
     text, _ = card(fixtures_root / "w2-lora-qv", tmp_path, lora="fold", lora_alpha=4)
     assert "alpha=4) was folded" in text and "* 0.5," in text
     text, plan = card(fixtures_root / "w3-lora-rslora-bf16", tmp_path, lora="fold")
-    _, adapter = __import__("core.plan", fromlist=["lora_choice"]).lora_choice(plan.layout,
+    _, adapter = __import__("shardscope.core.plan",
+                            fromlist=["lora_choice"]).lora_choice(plan.layout,
                                                                              plan.options)
     assert ", rsLoRA) was folded" in text and f"* {adapter.scale:g}," in text
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.cast import cast_bytes
-from core.dtypes import torch_dtype
+from shardscope.core.cast import cast_bytes
+from shardscope.core.dtypes import torch_dtype
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-40, 3.4e38, -3.4e38, 65504.0, 65520.0,
            70000.0, 6e-8, 1e-8, float("inf"), float("-inf"), float("nan"), -float("nan"),
@@ -44,7 +44,7 @@ def test_cast_matches_torch(src, dst):
 def test_cast_in_chunks_matches_torch(src, dst, monkeypatch):
     """Chunk boundaries and a short last chunk: the casts work CHUNK elements at a time
     (made small here); ties, NaNs and denormals fall on both sides of every boundary."""
-    from core import cast
+    from shardscope.core import cast
 
     monkeypatch.setattr(cast, "CHUNK", 999)
     g = torch.Generator().manual_seed(1)

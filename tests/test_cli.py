@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from conftest import ROOT, copy_checkpoint
-from tui.cli import main
+from shardscope.tui.cli import main
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -52,7 +52,7 @@ def test_inspect_json(fixtures_root, name, fmt, world, mesh, names, par):
 
 
 def test_inspect_reads_no_tensor_data_and_imports_no_torch(fixtures_root):
-    code = ("import sys, io, contextlib; from tui.cli import main; "
+    code = ("import sys, io, contextlib; from shardscope.tui.cli import main; "
             "buf = io.StringIO()\n"
             "with contextlib.redirect_stdout(buf): rc = main(['inspect', sys.argv[1], '--json'])\n"
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; print('ok')")

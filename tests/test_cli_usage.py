@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tui.cli import main
+from shardscope.tui.cli import main
 
 
 def one_line(capsys) -> str:
@@ -86,7 +86,7 @@ def test_deepspeed_import_does_not_leak_into_json(fixtures_root):
     import pytest
 
     pytest.importorskip("deepspeed")
-    code = ("import sys\nfrom tui import cli\nreal = cli.cmd_inspect\n"
+    code = ("import sys\nfrom shardscope.tui import cli\nreal = cli.cmd_inspect\n"
             "def wrapped(a):\n    import deepspeed  # noqa: F401\n    return real(a)\n"
             "cli.cmd_inspect = wrapped\nsys.exit(cli.main(['inspect', sys.argv[1], '--json']))")
     from conftest import ROOT

@@ -15,12 +15,12 @@ import pytest
 
 from conftest import copy_checkpoint, inspector_ready, wait_for
 from fixtures_diff import FROZEN
-from tui.app import make_app
+from shardscope.tui.app import make_app
 
 
 async def open_compare(pilot, app, other, tries: int = 2400):
     """From the inspector: ``c``, type ``other``'s path, enter; wait for the diff to stop."""
-    from tui.screens.compare import ComparePathScreen, CompareScreen
+    from shardscope.tui.screens.compare import ComparePathScreen, CompareScreen
 
     await inspector_ready(pilot, app)
     await pilot.press("c")
@@ -130,7 +130,7 @@ async def test_two_training_steps_sorted_filtered_and_charted(training_root):
         # by name
         await pilot.press("o")
         await wait_for(pilot, lambda: not screen.by_change)
-        from core.plan import natural_key
+        from shardscope.core.plan import natural_key
 
         rows = screen.rows()
         assert sorted(rows, key=natural_key) == rows and len(rows) == 27
@@ -205,7 +205,8 @@ async def test_escape_cancels_a_running_diff(fixtures_root, monkeypatch):
     """The diff is held inside its second tensor until escape was pressed: the progress bar
     shows the first one done, the screen says the diff was cancelled, and a second escape
     goes back to the inspector."""
-    import core.diff
+    import shardscope.core.diff
+    from shardscope import core
 
     pressed, entered = threading.Event(), threading.Event()
     real = core.diff._compare
@@ -273,7 +274,7 @@ def test_compare_view_120x40(snap_compare, training_root):
 async def test_a_lora_side_is_folded_or_its_base_taken_as_chosen(fixtures_root):
     """The open checkpoint holds a LoRA adapter: folded (the form's default) it is the same
     model as peft's merge_and_unload, bit for bit; its base alone equals the base."""
-    from tui.screens.compare import ComparePathScreen, CompareScreen
+    from shardscope.tui.screens.compare import ComparePathScreen, CompareScreen
 
     lora = fixtures_root / "w2-lora-qv"
     app = make_app(str(lora))
@@ -303,9 +304,9 @@ async def test_a_lora_side_is_folded_or_its_base_taken_as_chosen(fixtures_root):
 
 RACE = """
 import sys, threading
-from core.diff import output_tensors
-from core.formats import detect
-from core.judge import check_layout
+from shardscope.core.diff import output_tensors
+from shardscope.core.formats import detect
+from shardscope.core.judge import check_layout
 
 a, b = sys.argv[1], sys.argv[2]
 errors, start = [], threading.Barrier(2)

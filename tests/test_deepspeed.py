@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, _cache_root, cached, copy_checkpoint
-from core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
+from shardscope.core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 
 pytest.importorskip("deepspeed")
 
@@ -80,7 +80,7 @@ def test_merge_matches_the_model_and_zero_to_fp32(ds_root, tmp_path, name):
 
 
 def test_inspect_does_not_import_deepspeed(ds_root):
-    code = ("import sys; from core import detect; detect(sys.argv[1]); "
+    code = ("import sys; from shardscope.core import detect; detect(sys.argv[1]); "
             "print('deepspeed' in sys.modules, 'torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code, str(ds_root / "ds-z3-w3-tied")], cwd=ROOT,
                        capture_output=True, text=True)
@@ -93,7 +93,7 @@ def test_missing_optimizer_file(ds_root, tmp_path):
     os.remove(victim)
     layout = detect(ck)
     assert ("missing-rank", victim.name) in {(p.code, Path(p.path).name) for p in layout.problems}
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 3 and not (tmp_path / "out").exists()
 
@@ -101,7 +101,7 @@ def test_missing_optimizer_file(ds_root, tmp_path):
 def test_module_weights_and_tag(ds_root, tmp_path):
     """--weights module: the bf16 weights as trained (stage 2), same as the master rounded."""
     src = ds_root / "ds-z2-w3-bf16"
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "--tag",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "--tag",
                         "global_step0", "--weights", "module", "-o", str(tmp_path / "o")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -110,7 +110,8 @@ def test_module_weights_and_tag(ds_root, tmp_path):
     assert set(got) == set(ref)
     for k, v in ref.items():
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)), k
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ds_root / "ds-z3-w2-bf16"),
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge",
+                        str(ds_root / "ds-z3-w2-bf16"),
                         "--weights", "module", "-o", str(tmp_path / "o3")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 3 and "stage 3 keeps no module weights" in r.stderr
@@ -153,7 +154,7 @@ def ds_more():
     import hashlib
     import json
 
-    from core.sample_deepspeed import write_jobs
+    from shardscope.core.sample_deepspeed import write_jobs
 
     key = hashlib.sha256(json.dumps(
         [DS_JOBS, (ROOT / "core" / "sample_deepspeed.py").read_text()],
@@ -168,7 +169,8 @@ def ds_more():
 
 
 def _merge(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "-o", str(out),
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
+                           str(out),
                            *args], cwd=ROOT, capture_output=True, text=True)
 
 
@@ -205,7 +207,7 @@ def test_frozen_parameters_merge_bit_exact(ds_more, tmp_path, name):
 def test_bf16_zero1_is_stage_1(ds_more):
     """DeepSpeed's BF16_Optimizer (bf16, ZeRO-1) writes no zero_stage: the stage comes from the
     saved ds_config, not a guess of 2."""
-    from core.formats.torchsave import read_torch_archive
+    from shardscope.core.formats.torchsave import read_torch_archive
 
     d = ds_more / "fz-z1-w2-bf16" / "global_step0"
     osd = read_torch_archive(next(d.glob("bf16_zero_pp_rank_0_*"))).root["optimizer_state_dict"]
@@ -289,7 +291,8 @@ def test_inspect_honours_hf_config(ds_more, tmp_path):
     cfg = tmp_path / "cfg"
     os.rename(ck / "huggingface", cfg)
     assert detect(ck).config_dir is None
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(ck), "--hf-config",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", str(ck),
+                        "--hf-config",
                         str(cfg), "--json"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["config_dir"] == str(cfg)
@@ -299,7 +302,7 @@ def test_inspect_honours_hf_config(ds_more, tmp_path):
 def ds_moe():
     import hashlib
 
-    from core.sample_deepspeed import write_jobs
+    from shardscope.core.sample_deepspeed import write_jobs
 
     key = hashlib.sha256((ROOT / "core" / "sample_deepspeed.py").read_bytes()).hexdigest()[:8]
     return cached(_cache_root().with_name(f"{_cache_root().name}-deepspeed-moe-{key}"),
@@ -364,7 +367,7 @@ def test_universal_checkpoint_missing_parameter_refused(ds_universal, tmp_path):
 def ds_autotp():
     import hashlib
 
-    from core.sample_deepspeed_tp import write_autotp
+    from shardscope.core.sample_deepspeed_tp import write_autotp
 
     key = hashlib.sha256((ROOT / "core" / "sample_deepspeed_tp.py").read_bytes()).hexdigest()[:8]
     return cached(_cache_root().with_name(f"{_cache_root().name}-deepspeed-autotp-{key}"),
@@ -405,8 +408,8 @@ def test_autotp_boxes_cover_a_box_split_across_data_parallel_ranks(shard, dst, b
     """The geometry behind AutoTP x ZeRO: a rank's slice is flat fp32 cut at arbitrary
     element boundaries by the data-parallel partitions; the cuts of every split must place
     exactly the box's elements where the affine map says."""
-    from core.formats.deepspeed import _boxes
-    from core.layout import Piece
+    from shardscope.core.formats.deepspeed import _boxes
+    from shardscope.core.layout import Piece
 
     n = 1
     for s in shard:

@@ -16,7 +16,8 @@ from fixtures_diff import FROZEN
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tui.cli", "diff", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "diff", *map(str, args)],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -46,7 +47,7 @@ def test_a_run_against_its_own_reference_is_identical(fixtures_root):
 
 
 def test_a_sharded_run_against_its_merged_output(fixtures_root, tmp_path):
-    from core import MergeOptions, detect, plan_merge, run_merge
+    from shardscope.core import MergeOptions, detect, plan_merge, run_merge
 
     src = fixtures_root / "w3-llama-f32"
     run_merge(plan_merge(detect(src), MergeOptions(output=str(tmp_path / "m"), workers=1)))
@@ -183,8 +184,8 @@ def test_bad_inputs_exit_3_and_bad_options_exit_2(fixtures_root, tmp_path):
 def test_cancel_between_tensors_stops_with_exit_130(fixtures_root):
     import threading
 
-    from core import MergeCancelled
-    from core.diff import diff_checkpoints
+    from shardscope.core import MergeCancelled
+    from shardscope.core.diff import diff_checkpoints
 
     cancel, seen = threading.Event(), []
 
@@ -200,7 +201,7 @@ def test_cancel_between_tensors_stops_with_exit_130(fixtures_root):
 
 
 def test_a_bf16_merge_against_its_fp32_source(fixtures_root, tmp_path):
-    from core import MergeOptions, detect, plan_merge, run_merge
+    from shardscope.core import MergeOptions, detect, plan_merge, run_merge
 
     src = fixtures_root / "w2-qwen2-f32"
     run_merge(plan_merge(detect(src), MergeOptions(output=str(tmp_path / "m"), dtype="bf16",
@@ -256,8 +257,9 @@ def test_identical_tensors_are_compared_as_stored_bits_without_decoding(fixtures
     """A sharded run against its reference: no tensor is decoded through torch
     (read_output_tensor is only for tensors whose bits differ); the one changed tensor of a
     damaged copy is the only one decoded."""
-    import core.read
-    from core.diff import diff_checkpoints
+    import shardscope.core.read
+    from shardscope import core
+    from shardscope.core.diff import diff_checkpoints
 
     decoded = []
     real = core.read.read_output_tensor
@@ -275,8 +277,9 @@ def test_identical_tensors_are_compared_as_stored_bits_without_decoding(fixtures
 
 def test_ctrl_c_in_the_command_exits_130(fixtures_root, monkeypatch, capsys):
     """Ctrl-C (KeyboardInterrupt) during the comparison: one line, exit 130, no output."""
-    import core.diff
-    from tui.cli import main
+    import shardscope.core.diff
+    from shardscope import core
+    from shardscope.tui.cli import main
 
     seen = []
     real = core.diff._compare

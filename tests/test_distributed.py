@@ -30,7 +30,7 @@ def node_disks(src: Path, root: Path, ranks_by_node: list[list[int]], config_on=
     """``root/node{i}`` holding copies of ``src``'s rank files ``ranks_by_node[i]`` (copies, not
     symbolic links: a link leading out of the checkpoint is refused), fsdp_config.json on every
     node and huggingface/ on the nodes ``config_on``."""
-    from core.formats.fsdp import ACCELERATE_RE, VERL_RE
+    from shardscope.core.formats.fsdp import ACCELERATE_RE, VERL_RE
 
     files = {int((VERL_RE.match(f.name) or ACCELERATE_RE.match(f.name))[2]): f
              for f in src.iterdir() if VERL_RE.match(f.name) or ACCELERATE_RE.match(f.name)}
@@ -50,7 +50,7 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
          str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         "-m", "tui.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+         "-m", "shardscope.tui.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def launch(nproc: int, *args: str, stderr: dict | None = None) -> list[subprocess.Popen]:
@@ -62,7 +62,7 @@ def launch(nproc: int, *args: str, stderr: dict | None = None) -> list[subproces
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE,
                                       stderr=(stderr or {}).get(r, subprocess.PIPE), text=True))
     return procs
@@ -122,14 +122,15 @@ def test_other_formats_are_refused_by_name(fixtures_root, tmp_path):
 def test_without_a_launcher_is_a_usage_error(fixtures_root, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(fixtures_root / "w4-fsdp2"),
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge",
+                        str(fixtures_root / "w4-fsdp2"),
                         "-o", str(tmp_path / "out"), "--distributed"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "torchrun" in r.stderr, r.stderr
 
 
 def test_path_placeholders_come_from_the_launcher():
-    from core.distributed import process_info
+    from shardscope.core.distributed import process_info
 
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "GROUP_RANK": "2"}
     info = process_info("/ckpt/node{node_rank}/r{rank}-l{local_rank}", env)
@@ -137,7 +138,7 @@ def test_path_placeholders_come_from_the_launcher():
                                                                        8, 2)
     slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "3"}
     assert process_info("/d/{node_rank}", slurm).path == "/d/3"
-    from core import UsageError
+    from shardscope.core import UsageError
 
     with pytest.raises(UsageError):
         process_info("/d/{host}", env)
@@ -171,7 +172,7 @@ def test_process_lost_mid_merge_leaves_nothing(fixtures_root, tmp_path):
 
 
 def _parts(root: Path, n: int):
-    from core.distributed import ProcessInfo, read_local
+    from shardscope.core.distributed import ProcessInfo, read_local
 
     infos = [ProcessInfo(r, n, r, 0, "host", str(root / f"node{r}")) for r in range(n)]
     return [(i, read_local(i)) for i in infos]
@@ -180,7 +181,7 @@ def _parts(root: Path, n: int):
 def test_union_is_judged_in_process(fixtures_root, tmp_path):
     """The union without a process group: rank files of two world sizes, and a config folder
     the writer lacks, are named."""
-    from core.distributed import union_layout
+    from shardscope.core.distributed import union_layout
 
     node_disks(fixtures_root / "w4-fsdp2", tmp_path / "a", [[0, 1], [2, 3]], config_on=(1,))
     u = union_layout(_parts(tmp_path / "a", 2), "a/node{rank}")
@@ -210,7 +211,7 @@ def torchrun_nodes(nnodes: int, *args: str, env=None) -> list[tuple[int, str, st
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank",
          str(i), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
-         "-m", "tui.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "-m", "shardscope.tui.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=env) for i in range(nnodes)]
     outs = [a.communicate(timeout=600) for a in agents]
     return [(a.returncode, *o) for a, o in zip(agents, outs)]
@@ -296,7 +297,7 @@ def test_hsdp_shard_on_no_node_is_refused_naming_it(fixtures_root, tmp_path):
 def test_hsdp_copies_are_compared_across_nodes(fixtures_root, tmp_path):
     """The union (without a process group): the copies of node 0's rank 0 and node 1's rank 2
     are listed for comparison; once rank 2's bytes of one tensor differ, that tensor is named."""
-    from core.distributed import disagreeing, replica_digests, union_layout
+    from shardscope.core.distributed import disagreeing, replica_digests, union_layout
 
     node_disks(fixtures_root / "w4-hsdp", tmp_path / "a", [[0], [2, 3]])
     parts = _parts(tmp_path / "a", 2)
@@ -337,9 +338,9 @@ def test_hsdp_copies_on_one_node_are_compared_and_progress_is_reported(fixtures_
     """One process holding ranks 0, 2, 3 (rank 1 on no node): its own replica copies (ranks
     0 and 2) are compared; the merge reports its node's line up to the planned total and is
     bit-exact; once rank 2's copy of a tensor differs, the merge is refused naming it."""
-    from core import MergeOptions
-    from core.distributed import NodeProgress, merge_distributed
-    from core.execute import MergeProgress
+    from shardscope.core import MergeOptions
+    from shardscope.core.distributed import NodeProgress, merge_distributed
+    from shardscope.core.execute import MergeProgress
 
     node_disks(fixtures_root / "w4-hsdp", tmp_path / "ckpt", [[0, 2, 3]])
     events = []
@@ -356,13 +357,13 @@ def test_hsdp_copies_on_one_node_are_compared_and_progress_is_reported(fixtures_
     last = [e for e in events if isinstance(e, MergeProgress)][-1]
     assert last.bytes_written == last.bytes_total == result.tensor_bytes
 
-    from core.formats import fsdp
+    from shardscope.core.formats import fsdp
 
     lay = fsdp.read(str(tmp_path / "ckpt" / "node0"), present_only=True)
     name, kept, copy = next(c for c in lay.replica_copies if c[2].rank == 2)
     assert kept.rank == 0
     _flip(copy.file, copy.byte_offset + copy.nbytes - 1)
-    from core import ShardscopeError
+    from shardscope.core import ShardscopeError
 
     with pytest.raises(ShardscopeError) as e:
         merge_distributed(str(tmp_path / "ckpt" / "node{rank}"),
@@ -407,7 +408,7 @@ def test_process_killed_mid_merge_leaves_nothing_at_out(fixtures_root, tmp_path,
     import threading
     import time
 
-    from core.execute import stale_temp_dirs
+    from shardscope.core.execute import stale_temp_dirs
 
     node_disks(fixtures_root / "w4-fsdp2", tmp_path / "ckpt", [[0, 1], [2, 3]])
     out = tmp_path / "out"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import copy_checkpoint
-from core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
+from shardscope.core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 from test_cli import run
 
 try:  # the DeepSpeed fixtures, for `latest` (that module skips itself without deepspeed)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import MergeOptions, detect, plan_merge, run_merge
-from core.errors import BadCheckpointError
-from core.sample_models import FAMILIES
+from shardscope.core import MergeOptions, detect, plan_merge, run_merge
+from shardscope.core.errors import BadCheckpointError
+from shardscope.core.sample_models import FAMILIES
 from test_merge_exact import assert_bit_equal, load
 
 
@@ -92,8 +92,8 @@ def test_tied_t5_aliases_written_once(models_root, tmp_path):
 def test_transposed_box_is_a_strided_piece(models_root, tmp_path):
     """The piece model carries a transpose as permuted strides: a box of the fused experts
     with its dims swapped reads back as the reference expert transposed."""
-    from core.execute import _Sources, assemble
-    from core.hf_names import Box, cut
+    from shardscope.core.execute import _Sources, assemble
+    from shardscope.core.hf_names import Box, cut
 
     layout = detect(str(models_root / "qwen3_moe"))
     fused = layout.tensors["model.layers.0.mlp.experts.down_proj"]  # [E, H, F]
@@ -113,7 +113,7 @@ def test_conversion_that_mixes_dims_is_refused():
     """A conversion whose result is no box of its source (a reshape that mixes dims, as
     transformers' Interleave does) raises, naming the op, instead of writing a wrong
     tensor."""
-    from core.hf_names import Box, UnsupportedOp, _tracker
+    from shardscope.core.hf_names import Box, UnsupportedOp, _tracker
 
     tracker = _tracker()
     x = torch.empty(4, 6, device="meta")
@@ -129,9 +129,9 @@ def test_cut_of_a_flat_partition(models_root):
     gate half of one); a transposed block is refused naming the tensor."""
     import dataclasses
 
-    from core.execute import _Sources, assemble
-    from core.hf_names import Box, cut
-    from core.layout import coverage_problems
+    from shardscope.core.execute import _Sources, assemble
+    from shardscope.core.hf_names import Box, cut
+    from shardscope.core.layout import coverage_problems
 
     layout = detect(str(models_root / "mixtral"))
     fused = layout.tensors["model.layers.0.mlp.experts.gate_up_proj"]  # [E, 2F, H]

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import ROOT
-from core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
-from core.judge import Expected, check, check_layout, compare as judge_compare
-from core.verify import compare
+from shardscope.core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
+from shardscope.core.judge import Expected, check, check_layout, compare as judge_compare
+from shardscope.core.verify import compare
 from test_merge_exact import assert_bit_equal, load
 
 
@@ -176,11 +176,11 @@ def test_vlm_dcp_without_config_is_not_written_under_in_memory_names(models_root
     of writing them with exit 0; with the config it writes save_pretrained's names."""
     src = models_root / "qwen2_5_vl.dcp"
     assert any(n.startswith("model.language_model.") for n in detect(src).tensors)
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
                         str(tmp_path / "a"), "-q"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 3 and not (tmp_path / "a").exists(), r.stderr
     assert r.stderr.count("\n") == 1 and "no config.json" in r.stderr and "--no-strict" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
                         str(tmp_path / "b"), "--no-strict"], cwd=ROOT, capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
@@ -258,7 +258,7 @@ def test_remote_code_is_checked_only_when_trusted(remote_folder, tmp_path):
     assert any("skipped" in w and "--trust-remote-code" in w for w in plan.warnings)
     plan = merge(remote_folder, tmp_path / "b", trust_remote_code=True)
     assert plan.check.ok
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", str(remote_folder),
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", str(remote_folder),
                         "--check", "--json"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     check_obj = json.loads(r.stdout)["check"]
@@ -276,7 +276,7 @@ def test_remote_code_never_prompts(remote_folder, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     for args in (["merge", str(folder), "-o", str(tmp_path / "o"), "--no-strict"],
                  ["inspect", str(folder), "--check"]):
-        r = subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
                            capture_output=True, text=True, stdin=subprocess.PIPE, timeout=300)
         assert r.returncode == 0, r.stderr
         assert "[y/N]" not in r.stdout + r.stderr and "custom code" not in r.stdout + r.stderr
@@ -297,7 +297,7 @@ def test_unknown_model_type_says_check_skipped(fixtures_root, tmp_path):
     why = "does not know model_type 'qwen2_private_fork'"
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
                               capture_output=True, text=True, stdin=subprocess.PIPE)
 
     r = run("inspect", str(ck), "--check")
@@ -314,13 +314,13 @@ def test_unknown_model_type_says_check_skipped(fixtures_root, tmp_path):
 # -- inspect ------------------------------------------------------------------------------------
 
 def test_inspect_check_json_and_exit_code(fixtures_root, heads_root):
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect",
                         str(fixtures_root / "w2-qwen2-bf16-tied"), "--check", "--json"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     c = json.loads(r.stdout)["check"]
     assert c["ok"] and c["summary"] == "matches Qwen2ForCausalLM: 26/26 tensors"
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect",
                         str(fixtures_root / "w3-buffers"), "--check"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 3 and "architecture-mismatch" in r.stdout
@@ -329,7 +329,7 @@ def test_inspect_check_json_and_exit_code(fixtures_root, heads_root):
 
 
 def test_plain_inspect_imports_neither_torch_nor_transformers(fixtures_root):
-    code = ("import sys\nfrom tui.cli import main\n"
+    code = ("import sys\nfrom shardscope.tui.cli import main\n"
             f"main(['inspect', {str(fixtures_root / 'w2-qwen2-f32')!r}, '--json'])\n"
             "print([m for m in ('torch', 'transformers') if m in sys.modules])")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, copy_checkpoint
-from core import MergeOptions, UsageError, detect, plan_merge, run_merge
+from shardscope.core import MergeOptions, UsageError, detect, plan_merge, run_merge
 
 
 def merge(src, out, **kw):
@@ -98,7 +98,7 @@ def test_both_writes_the_folded_model_and_the_adapter(fixtures_root, tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
                           capture_output=True, text=True)
 
 

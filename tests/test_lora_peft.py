@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, copy_checkpoint
-from core import MergeOptions, UsageError, detect, plan_merge, run_merge
+from shardscope.core import MergeOptions, UsageError, detect, plan_merge, run_merge
 from test_lora import exact
 
 FOLDED = ["w2-lora-patterns", "w2-lora-dcp-patterns", "w2-lora-embed",
@@ -29,14 +29,14 @@ def merge(src, out, **kw):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "tui.cli", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True)
 
 
 def test_pattern_keys_match_as_peft_matches_them():
     from peft.utils.other import get_pattern_key
 
-    from core.lora import _pattern_key
+    from shardscope.core.lora import _pattern_key
 
     patterns = ["k_proj", "layers.1.self_attn.o_proj", r"layers\.[02]\..*v_proj", "proj"]
     for module in ["model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.o_proj",
@@ -237,7 +237,7 @@ def test_lora_on_expert_parameters_is_refused_by_name_and_base_strips_every_wrap
 async def test_merge_form_takes_the_base_model_of_an_adapter_only_checkpoint(lora_root,
                                                                              tmp_path):
     from test_app import open_form, open_inspector, refused, run_to_end
-    from tui.app import make_app
+    from shardscope.tui.app import make_app
 
     app = make_app(str(lora_root / "w2-lora-only"))
     async with app.run_test(size=(120, 50)) as pilot:
@@ -262,7 +262,7 @@ def test_trainable_tokens_are_refused_by_name_and_base_keeps_the_embedding(lora_
 
 def test_inspect_of_patterns_stays_free_of_torch(lora_root):
     """Per-module ranks and scales come from metadata alone: no torch, transformers or peft."""
-    code = ("import sys, json; from core import detect; "
+    code = ("import sys, json; from shardscope.core import detect; "
             f"l = detect({str(lora_root / 'w2-lora-patterns')!r}); "
             "d = l.to_dict()['lora']['adapters']['default']; print(l.lora.summary()); "
             "print(json.dumps(d['groups'])); "

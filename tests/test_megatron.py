@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import ROOT, copy_checkpoint
-from core import MergeOptions, detect, plan_merge, run_merge
-from core.sample_megatron import LAYOUTS, PROBE, layout_name
+from shardscope.core import MergeOptions, detect, plan_merge, run_merge
+from shardscope.core.sample_megatron import LAYOUTS, PROBE, layout_name
 from test_merge_exact import assert_bit_equal, load
 
 pytest.importorskip("megatron.core")
@@ -111,7 +111,7 @@ def test_inspect_shows_the_parallel_layout(megatron_root, kind):
 
 
 def test_inspect_cli_json(megatron_root):
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "inspect", "--json", "--params",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", "--json", "--params",
                         str(megatron_root / "qwen2" / "tp2_pp2" / "legacy")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -137,7 +137,7 @@ def test_verl_layout(megatron_root, tmp_path):
 
 
 def test_merge_never_imports_megatron(megatron_root, tmp_path):
-    code = ("import sys; from core import detect, plan_merge, run_merge, MergeOptions\n"
+    code = ("import sys; from shardscope.core import detect, plan_merge, run_merge, MergeOptions\n"
             "for src, out in ((sys.argv[1], sys.argv[3]), (sys.argv[2], sys.argv[4])):\n"
             "    run_merge(plan_merge(detect(src), MergeOptions(output=out)))\n"
             "print([m for m in sys.modules if m.startswith('megatron')])")
@@ -152,7 +152,8 @@ def test_merge_never_imports_megatron(megatron_root, tmp_path):
 # --- damaged sets ---------------------------------------------------------------------------
 
 def merge_cli(src, out, *extra):
-    return subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(src), "-o", str(out),
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
+                           str(out),
                            *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -424,7 +425,7 @@ def test_bad_tracker_file_is_named(megatron_root, tmp_path):
 def test_merge_deep_refuses_flipped_tensor_bytes(megatron_root, tmp_path):
     """A flipped byte inside tensor data passes the metadata checks; `merge --deep` reads
     every byte first and refuses it by the CRC-32 torch.save recorded."""
-    from core.formats.torchsave import read_torch_archive
+    from shardscope.core.formats.torchsave import read_torch_archive
 
     ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp1" / "legacy", tmp_path / "ck")
     f = ck / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"

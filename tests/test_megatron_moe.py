@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import ROOT, copy_checkpoint
-from core import MergeOptions, detect, plan_merge, run_merge
-from core.errors import BadCheckpointError
-from core.sample_megatron import PROBE, layout_name
-from core.sample_megatron_moe import MOE_SETS
+from shardscope.core import MergeOptions, detect, plan_merge, run_merge
+from shardscope.core.errors import BadCheckpointError
+from shardscope.core.sample_megatron import PROBE, layout_name
+from shardscope.core.sample_megatron_moe import MOE_SETS
 from test_merge_exact import assert_bit_equal, load
 
 pytest.importorskip("megatron.core")
@@ -191,7 +191,7 @@ def test_legacy_non_zip_torch_save_merges(megatron_moe_root, tmp_path):
     assert not lay.errors, lay.errors
     merge(ck, tmp_path / "out", hf_config=str(ref))
     assert_bit_equal(load(tmp_path / "out"), load(ref))
-    from core.deep import deep_check
+    from shardscope.core.deep import deep_check
 
     deep = deep_check(lay)  # no CRC-32 in this format: said, not "not a zip archive"
     assert {(p.code, p.severity) for p in deep} == {("no-checksum", "warning")}, deep
@@ -208,7 +208,7 @@ def test_unreadable_rank_files_give_the_readers_reason(megatron_moe_root, tmp_pa
     with pytest.raises(BadCheckpointError, match="truncated") as e:
         detect(ck)
     assert e.value.path == str(files[0])
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 3, r.stderr

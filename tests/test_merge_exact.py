@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import ALL, BY_NAME
-from core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
+from shardscope.core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 
 
 def load(folder: Path) -> dict[str, torch.Tensor]:

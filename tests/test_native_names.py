@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from conftest import ROOT
-from core import MergeOptions, detect, plan_merge, run_merge
-from core.layout import Piece, TensorInfo
-from core.native_names import permute_rows, recognise
+from shardscope.core import MergeOptions, detect, plan_merge, run_merge
+from shardscope.core.layout import Piece, TensorInfo
+from shardscope.core.native_names import permute_rows, recognise
 from test_merge_exact import assert_bit_equal, load
 
 DATA = Path(ROOT) / "tests" / "data" / "native"
@@ -36,7 +36,7 @@ CASES = {  # fixture -> (checkpoint folder, framework named in messages)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -157,7 +157,7 @@ def test_permuted_pieces_equal_the_exporters_permutation(tmp_path, cuts, cols):
     """Pieces cut anywhere (rows also inside a head; columns too, as a TP Shard(1) box) give
     the rows torchtune's ``tune_to_hf`` permutation gives:
     ``w.view(h, hd // 2, 2, dim).transpose(1, 2).reshape(h * hd, dim)``."""
-    from core.execute import _Sources, assemble_bytes
+    from shardscope.core.execute import _Sources, assemble_bytes
 
     heads, hd, dim = 4, 8, 6
     w = np.arange(heads * hd * dim, dtype=np.float32).reshape(heads * hd, dim)

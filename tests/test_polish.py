@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, copy_checkpoint, flip_largest_storage
-from core import detect
+from shardscope.core import detect
 
 
 def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "tui.cli", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
                           **kw)
 
@@ -145,8 +145,8 @@ def test_quiet_merge_prints_errors_only(fixtures_root, tmp_path):
 def test_short_check_verdict_fits_the_80x24_border():
     """The layout box is 40 columns at 80x24 (its border leaves about 34): the short verdict
     in its bottom border fits for every kind of verdict (the snapshots show it in place)."""
-    from core.judge import Verdict
-    from tui.widgets.layout_summary import check_short
+    from shardscope.core.judge import Verdict
+    from shardscope.tui.widgets.layout_summary import check_short
 
     verdicts = [
         Verdict("Qwen2_5_VLForConditionalGeneration", expected=1234, matched=1234),
@@ -173,7 +173,7 @@ def test_strided_replica_copies_compared_element_by_element(fixtures_root, tmp_p
     as transposed (non-contiguous) pieces they agree; a flipped byte in one copy is found."""
     from dataclasses import replace
 
-    from core.formats.fsdp import _disagreeing_copies
+    from shardscope.core.formats.fsdp import _disagreeing_copies
 
     ck = copy_checkpoint(fixtures_root / "w4-hsdp", tmp_path / "ck")
     layout = detect(ck)
@@ -206,7 +206,7 @@ async def test_app_refuses_unchecked_names_in_the_forms_words(fixtures_root, tmp
     form's words (its config folder field, its not-strict box); ticking the box writes it.
     The layout box's border shows the check's short verdict at 80x24."""
     from test_app import open_form, open_inspector, run_to_end
-    from tui.app import make_app
+    from shardscope.tui.app import make_app
 
     app = make_app(str(fixtures_root / "w2-dcp"))
     async with app.run_test(size=(80, 24)) as pilot:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from core import publish
-from core.publish import UploadError, upload, upload_files
+from shardscope.core import publish
+from shardscope.core.publish import UploadError, upload, upload_files
 from fake_hub import FakeHub
 
 SECRET = "hf_test_token_never_printed_123"
@@ -21,7 +21,8 @@ SECRET = "hf_test_token_never_printed_123"
 def cli(hub, *args):
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": SECRET,
            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HOME": str(Path(ROOT, ".pytest_cache", "hf"))}
-    r = subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
+                       capture_output=True,
                        text=True, env=env, timeout=300)
     assert SECRET not in r.stdout + r.stderr
     return r

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_checkpoint
-from core import detect
+from shardscope.core import detect
 
 def _problems(layout):
     return sorted((p.code, p.message, p.path) for p in layout.problems)
@@ -58,7 +58,7 @@ def w3(fixtures_root, tmp_path):
 @pytest.fixture
 def recognised(monkeypatch):
     """The rank files (in the order read) whose pickle a template recognised."""
-    from core.formats import fsdp
+    from shardscope.core.formats import fsdp
 
     seen: list[bool] = []
     reuse = fsdp._Templates.reuse
@@ -74,7 +74,7 @@ def recognised(monkeypatch):
 
 def _full_parse(monkeypatch):
     """Read every rank file in full (no template recognises anything)."""
-    from core.formats import fsdp
+    from shardscope.core.formats import fsdp
 
     monkeypatch.setattr(fsdp._Templates, "reuse", lambda self, data: None)
 
@@ -171,7 +171,7 @@ def test_a_short_storage_in_a_recognised_file_is_caught(w3, recognised):
 def test_fast_zip_directory_agrees_with_zipfile(fixtures_root):
     import mmap
 
-    from core.formats.torchsave import _array_directory, _fast_directory
+    from shardscope.core.formats.torchsave import _array_directory, _fast_directory
 
     for f in sorted((fixtures_root / "w4-hsdp").glob("*.pt")):
         with open(f, "rb") as fh:
@@ -198,8 +198,9 @@ def test_streamed_cast_is_torch_to_across_steps(fixtures_root, tmp_path, monkeyp
     import torch
     from safetensors.torch import load_file
 
-    import core.execute
-    from core import MergeOptions, plan_merge, run_merge
+    import shardscope.core.execute
+    from shardscope import core
+    from shardscope.core import MergeOptions, plan_merge, run_merge
 
     monkeypatch.setattr(core.execute, "CAST_STEP", 1000)
     threads = torch.get_num_threads()

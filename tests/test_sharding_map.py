@@ -9,8 +9,8 @@ import pytest
 from rich.console import Console
 
 from conftest import copy_checkpoint, inspector_ready, wait_for
-from core import detect
-from tui.sharding_map import ShardingMap
+from shardscope.core import detect
+from shardscope.tui.sharding_map import ShardingMap
 
 from test_deepspeed import ds_root  # noqa: F401  (the real ZeRO checkpoints' fixture)
 
@@ -92,7 +92,7 @@ def test_deepspeed_flat_partitions(ds_root):
 
 
 def test_inspect_map_cli(fixtures_root, capsys):
-    from tui.cli import main
+    from shardscope.tui.cli import main
 
     assert main(["inspect", str(fixtures_root / "w4-hsdp"), "--map",
                  "model.norm.weight"]) == 0
@@ -105,8 +105,8 @@ def test_inspect_map_cli(fixtures_root, capsys):
 @pytest.mark.asyncio
 async def test_map_tab_follows_the_selection(fixtures_root):
     from test_app_usability import select
-    from tui.app import make_app
-    from tui.screens.inspector import InspectorScreen
+    from shardscope.tui.app import make_app
+    from shardscope.tui.screens.inspector import InspectorScreen
 
     app = make_app(str(fixtures_root / "w3-llama-f32"))
     async with app.run_test(size=(80, 24)) as pilot:

@@ -5,8 +5,8 @@ change, and look at the SVGs before committing them."""
 from __future__ import annotations
 
 from conftest import inspector_ready, wait_for
-from tui.app import make_app
-from tui.screens.merge_options import MergeOptionsScreen
+from shardscope.tui.app import make_app
+from shardscope.tui.screens.merge_options import MergeOptionsScreen
 
 SIZE = (110, 34)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import inspector_ready, wait_for
-from tui.app import make_app
-from tui.screens.merge_options import MergeOptionsScreen
+from shardscope.tui.app import make_app
+from shardscope.tui.screens.merge_options import MergeOptionsScreen
 
 SIZE = (80, 24)
 

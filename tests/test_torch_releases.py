@@ -22,7 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import ROOT, _cache_root, cached
-from core import MergeOptions, detect, plan_merge, run_merge
+from shardscope.core import MergeOptions, detect, plan_merge, run_merge
 from test_merge_exact import assert_bit_equal, load
 
 GOLDEN = ROOT / "tests" / "data" / "torch_releases"
@@ -65,7 +65,7 @@ def test_readme_table_lists_every_golden_case():
 # --- FSDP2 + TP written by today's torch -------------------------------------------------
 
 def _tp_variants():
-    from core.sample_tp import TPVariant
+    from shardscope.core.sample_tp import TPVariant
 
     return {
         4: [TPVariant("tp-2x2"), TPVariant("tp-2x2-qwen-bf16", family="qwen2", dtype="BF16",
@@ -81,7 +81,7 @@ def tp_root() -> Path:
     """FSDP2 + TP checkpoints (:mod:`core.sample_tp`), written once and cached."""
     import torch
 
-    from core.sample_tp import write_tp_checkpoints
+    from shardscope.core.sample_tp import write_tp_checkpoints
 
     variants = _tp_variants()
     key = hashlib.sha256(json.dumps(
@@ -117,8 +117,8 @@ def test_strided_shard_offsets_follow_torch():
     """The issue's example: a (2, 2) mesh, a 1000-row embedding: rank (dp 1, tp 0) starts at
     row 250, rank (dp 0, tp 1) at row 500; torch's docstring example (mesh (4, 3, 2),
     ``(_S(0, 2), _S(0, 2), S(0))``) applies mesh dims in the order 2, 0, 1."""
-    from core.formats.fsdp import local_box, shard_orders
-    from core.formats.torchsave import Record
+    from shardscope.core.formats.fsdp import local_box, shard_orders
+    from shardscope.core.formats.torchsave import Record
 
     def S(d):
         return Record("torch.distributed.tensor.placement_types", "Shard", state={"dim": d})
@@ -170,7 +170,7 @@ def test_unknown_mesh_record_is_refused_naming_the_field(tp_root, tmp_path):
     assert "DeviceMesh" in probs[0].message and "_lay0ut" in probs[0].message
     assert "torch release" in probs[0].message
     assert not any("IndexError" in p.message for p in layout.problems)
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 3 and "DeviceMesh" in r.stderr and "Traceback" not in r.stderr
@@ -225,7 +225,7 @@ def test_hsdp_shard_without_any_copy_is_refused_naming_it(hsdp, tmp_path):
     assert layout.errors[0].code == "lost-shard"
     assert "ranks 1, 3" in layout.errors[0].message and ".weight" in layout.errors[0].message
     assert any(p.code == "coverage-gap" for p in layout.errors)
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(hsdp), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(hsdp), "-o",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 3 and "no HSDP replica" in r.stderr
@@ -235,7 +235,7 @@ def test_hsdp_shard_without_any_copy_is_refused_naming_it(hsdp, tmp_path):
 def test_hsdp_replicas_that_disagree_are_refused(hsdp):
     import os
 
-    from core.formats.torchsave import read_torch_archive
+    from shardscope.core.formats.torchsave import read_torch_archive
 
     os.remove(hsdp / "model_world_size_4_rank_1.pt")
     f = hsdp / "model_world_size_4_rank_2.pt"  # replica of rank 0, stands in for nobody
@@ -283,7 +283,7 @@ def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_
 
     ck = shutil.copytree(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
     (ck / "shard-00003-model-00001-of-00001.safetensors").unlink()
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 3 and "rank file is probably missing" in r.stderr
@@ -300,12 +300,12 @@ def test_dcp_safetensors_without_config_warns_that_a_lost_last_rank_cannot_be_se
     (ck / "shard-00003-model-00001-of-00001.safetensors").unlink()
     shutil.rmtree(ck / "huggingface")
     # strict (the default): no config, so the architecture check cannot vouch for the output
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 3 and "architecture check skipped: no config.json" in r.stderr
     assert not (tmp_path / "out").exists()
-    r = subprocess.run([sys.executable, "-m", "tui.cli", "merge", str(ck), "-o",
+    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
                         str(tmp_path / "out"), "--no-strict"], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert "a missing last rank file cannot be detected" in r.stderr, r.stderr
@@ -337,7 +337,7 @@ def test_gpu_written_records_read_like_cpu_ones(fixtures_root, tmp_path):
     for r in range(4):
         _rewrite_pickle(ck / f"model_world_size_4_rank_{r}.pt", b"\x03\x00\x00\x00cpu",
                         b"\x06\x00\x00\x00cuda:%d" % r)
-    from core.formats.torchsave import read_torch_archive
+    from shardscope.core.formats.torchsave import read_torch_archive
 
     arch = read_torch_archive(str(ck / "model_world_size_4_rank_3.pt"))
     assert {s.location for s in arch.storages.values()} == {"cuda:3"}
@@ -354,7 +354,7 @@ def _as_if_written_on_a_gpu(path: Path) -> None:
     the mesh's ``_rank_map`` stays a CPU tensor."""
     import re
 
-    from core.formats.torchsave import read_torch_archive
+    from shardscope.core.formats.torchsave import read_torch_archive
 
     root = read_torch_archive(str(path)).root
     mesh = next(iter(root.values())).state[1]["_spec"].get("mesh")
@@ -400,7 +400,7 @@ def test_torch211_hsdp_as_written_on_a_gpu_merges_exactly(tmp_path):
     ck = shutil.copytree(case / "checkpoint", tmp_path / "ck")
     for r in range(4):
         _as_if_written_on_a_gpu(ck / f"model_world_size_4_rank_{r}.pt")
-    from core.formats.torchsave import read_torch_archive
+    from shardscope.core.formats.torchsave import read_torch_archive
 
     arch = read_torch_archive(str(ck / "model_world_size_4_rank_2.pt"))
     assert {s.location for s in arch.storages.values()} == {"cuda:0", "cpu"}

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, copy_checkpoint
-from core import MergeOptions, detect, plan_merge
+from shardscope.core import MergeOptions, detect, plan_merge
 
 
 def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tui.cli", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -28,7 +28,7 @@ def flip_storage_byte(f: Path, base: int = 0, length: int | None = None) -> tupl
     """Flip one byte in the middle of the largest storage record of the torch.save archive at
     byte ``base`` of ``f`` (``length`` bytes; None: the whole file), as a bad disk or copy does.
     Returns (absolute byte where that record's data starts, its size)."""
-    from core.formats.torchsave import _Window
+    from shardscope.core.formats.torchsave import _Window
 
     with open(f, "r+b") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -88,7 +88,7 @@ def test_crc_records_cover_every_piece_of_a_merge(fixtures_root, megatron_root, 
     """Every output tensor of a torch.save checkpoint lies in a checked record (FSDP, DCP,
     HSDP, Megatron legacy and torch_dist: vocabulary padding cut, q/k/v split); a safetensors
     source has none (named as unchecked)."""
-    from core.integrity import check_record, plan_records
+    from shardscope.core.integrity import check_record, plan_records
 
     mg = megatron_root / "llama"
     for src in (fixtures_root / "w3-llama-f32", fixtures_root / "w3-dcp",
@@ -181,14 +181,14 @@ def test_diff_tolerance_across_dtypes_and_top(fixtures_root, tmp_path):
 
 SLOW_PLAN = """
 import sys, time
-import core
+from shardscope import core
 real = core.plan_merge
 def slow(*a, **k):  # the test's gate: a planning step long enough to be signalled
     print("planning", flush=True)
     time.sleep(60)
     return real(*a, **k)
 core.plan_merge = slow
-from tui.cli import main
+from shardscope.tui.cli import main
 sys.exit(main(["merge", sys.argv[1], "-o", sys.argv[2]]))
 """
 

@@ -9,7 +9,7 @@ from textual import on, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 
-from tui.messages import LayoutFailed, LayoutLoaded
+from shardscope.tui.messages import LayoutFailed, LayoutLoaded
 
 
 class ShardscopeApp(App):
@@ -27,8 +27,8 @@ class ShardscopeApp(App):
         self.start_path = os.path.abspath(path or os.getcwd())
 
     def on_mount(self) -> None:
-        from core.formats import _readers
-        from tui.screens.browser import BrowserScreen
+        from shardscope.core.formats import _readers
+        from shardscope.tui.screens.browser import BrowserScreen
 
         folder = self.start_path if os.path.isdir(self.start_path) else \
             os.path.dirname(self.start_path)
@@ -43,7 +43,7 @@ class ShardscopeApp(App):
     @work(thread=True, group="layout", exclusive=True, exit_on_error=False,
           description="read layout")
     def load_layout(self, path: str) -> None:
-        from core import ShardscopeError, detect
+        from shardscope.core import ShardscopeError, detect
 
         try:
             self.post_message(LayoutLoaded(detect(path)))
@@ -52,7 +52,7 @@ class ShardscopeApp(App):
 
     @on(LayoutLoaded)
     def _loaded(self, msg: LayoutLoaded) -> None:
-        from tui.screens.inspector import InspectorScreen
+        from shardscope.tui.screens.inspector import InspectorScreen
 
         self.push_screen(InspectorScreen(msg.layout))
 
@@ -71,14 +71,14 @@ class ShardscopeApp(App):
                                     action)
 
     def action_help(self) -> None:
-        from tui.screens.help import HelpScreen
+        from shardscope.tui.screens.help import HelpScreen
 
         self.push_screen(HelpScreen())
 
     async def action_quit(self) -> None:
         merging = [w for w in self.workers if w.group == "merge" and w.is_running]
         if merging:
-            from tui.screens.merge_run import MergeRunScreen
+            from shardscope.tui.screens.merge_run import MergeRunScreen
 
             if isinstance(self.screen, MergeRunScreen) and not getattr(self, "_quit_armed", 0):
                 self._quit_armed = 1

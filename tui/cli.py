@@ -191,7 +191,7 @@ def _quiet_frameworks() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core import ShardscopeError
+    from shardscope.core import ShardscopeError
 
     _quiet_frameworks()
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.exists(argv[0]):  # a typo must not open the app somewhere else
             print(f"shardscope: {argv[0]}: no such file or folder", file=sys.stderr)
             return 2
-        from tui.app import run_app  # `shardscope PATH` opens the app there
+        from shardscope.tui.app import run_app  # `shardscope PATH` opens the app there
 
         return run_app(argv[0])
     args = parser.parse_args(argv)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             print(version("shardscope"))
             return 0
         if args.command is None:
-            from tui.app import run_app
+            from shardscope.tui.app import run_app
 
             return run_app()
         with _signals_interrupt():
@@ -270,7 +270,7 @@ class _signals_interrupt:
 def _check_args(args) -> None:
     """Refuse impossible option values before any work (:class:`UsageError`, exit 2): an
     input path that does not exist, ``--workers`` (or ``sample --world-size``) below 1."""
-    from core import UsageError
+    from shardscope.core import UsageError
 
     if args.command in ("inspect", "merge", "verify", "upload"):
         path = args.path if args.command != "merge" else (args.path or args.local_dir)
@@ -305,7 +305,7 @@ def _with_tag(path: str, tag: str | None) -> str:
     """``PATH/TAG`` for DeepSpeed's --tag (a step folder beside ``latest``)."""
     if not tag:
         return path
-    from core import UsageError
+    from shardscope.core import UsageError
 
     p = os.path.join(path, tag)
     if not os.path.isdir(p):
@@ -324,7 +324,7 @@ def _refusal_json(path: str, err) -> dict:
 
 
 def cmd_inspect(args) -> int:
-    from core import ShardscopeError, detect
+    from shardscope.core import ShardscopeError, detect
 
     try:
         layout = detect(_with_tag(args.path, args.tag), hf_config=args.hf_config)
@@ -335,7 +335,7 @@ def cmd_inspect(args) -> int:
         return e.exit_code
     for name in args.map or ():
         if name not in layout.tensors:
-            from core import UsageError
+            from shardscope.core import UsageError
 
             raise UsageError(f"no tensor named {name!r} (inspect --params lists them)",
                              layout.path)
@@ -349,7 +349,7 @@ def cmd_inspect(args) -> int:
                             "and NaN/Inf counted (problems below, if any)")
     verdict = None
     if args.check:
-        from core.judge import check_layout
+        from shardscope.core.judge import check_layout
 
         verdict = check_layout(layout, args.hf_config, args.trust_remote_code)
         add_verdict(layout, verdict)
@@ -363,11 +363,11 @@ def cmd_inspect(args) -> int:
     else:
         from rich.console import Console
 
-        from tui.render import render_layout
+        from shardscope.tui.render import render_layout
 
         render_layout(layout, stdout_console(), params=args.params)
         for name in args.map or ():
-            from tui.sharding_map import ShardingMap
+            from shardscope.tui.sharding_map import ShardingMap
 
             Console().print(ShardingMap(layout.tensors[name], layout, height=12))
     return 3 if layout.errors else 0
@@ -393,7 +393,7 @@ def add_verdict(layout, verdict) -> None:
     """Record the judge's verdict on ``layout``: a note when it matches or when the check
     could not be made (``architecture check skipped: <why>``: a stated skip, as merge states
     it, not a problem of the files), an ``architecture-mismatch`` error otherwise."""
-    from core import Problem
+    from shardscope.core import Problem
 
     where = layout.config_dir or layout.path
     if verdict.ok or verdict.skipped is not None:
@@ -406,7 +406,7 @@ def _deep(layout, show: bool):
     from rich.console import Console
     from rich.progress import Progress
 
-    from core.deep import deep_check
+    from shardscope.core.deep import deep_check
 
     err = Console(stderr=True)
     if not (show and err.is_terminal):
@@ -423,7 +423,7 @@ def _deep(layout, show: bool):
 def cmd_merge(args) -> int:
     from rich.console import Console
 
-    from core import MergeOptions, UsageError, detect, plan_merge
+    from shardscope.core import MergeOptions, UsageError, detect, plan_merge
 
     repo_id = args.hf_upload or args.hf_upload_path
     path = args.path or args.local_dir
@@ -472,7 +472,7 @@ def cmd_merge(args) -> int:
     cancel = threading.Event()
     show = not args.quiet and err.is_terminal
     if show:
-        from tui.progress import MergeProgressView
+        from shardscope.tui.progress import MergeProgressView
 
         with MergeProgressView(plan, err) as view:
             result = _run_cancellable(plan, view.update, cancel, log)
@@ -491,7 +491,7 @@ def _merge_summary(result, plan, started, err) -> None:
     """
     for w in result.warnings[len(plan.warnings):]:
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
-    from tui.format import human_bytes
+    from shardscope.tui.format import human_bytes
 
     rate = result.tensor_bytes / result.seconds if result.seconds else 0
     total = time.perf_counter() - started
@@ -510,7 +510,7 @@ class _Phases:
         self.err, self.show, self.log = err, show, log
 
     def __enter__(self):
-        from core.phases import reporting
+        from shardscope.core.phases import reporting
 
         self.status = self.err.status("reading the layout") if self.show else None
         if self.status is not None:
@@ -538,8 +538,8 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
     one line of what it sent."""
     import signal
 
-    from core import MergeOptions, UsageError
-    from core.distributed import merge_distributed
+    from shardscope.core import MergeOptions, UsageError
+    from shardscope.core.distributed import merge_distributed
 
     for flag, given in (("--deep", args.deep), ("--hf-upload", repo_id), ("--tag", args.tag)):
         if given:
@@ -561,7 +561,7 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
     started = time.perf_counter()
     try:
         if not args.quiet and err.is_terminal:  # one progress line per node
-            from tui.progress import NodeProgressView
+            from shardscope.tui.progress import NodeProgressView
 
             with NodeProgressView(err) as view:
                 info, result, stats, warnings = merge_distributed(
@@ -574,7 +574,7 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    from tui.format import human_bytes
+    from shardscope.tui.format import human_bytes
 
     if args.quiet:  # errors only, and the exit code
         return 0
@@ -595,9 +595,9 @@ def _merge_distributed(args, path, output, repo_id, err, log) -> int:
 def _verified_upload(folder, repo_id, private, revision, message, quiet=False) -> int:
     """Upload only a folder that passes verification (exit 3 otherwise, 4 when the upload
     fails); ``quiet``: print nothing but errors."""
-    from core import BadCheckpointError
-    from core.publish import upload
-    from core.verify import verify_folder
+    from shardscope.core import BadCheckpointError
+    from shardscope.core.publish import upload
+    from shardscope.core.verify import verify_folder
 
     errors = [p for p in verify_folder(folder) if p.severity == "error"]
     if errors:
@@ -613,7 +613,7 @@ def _verified_upload(folder, repo_id, private, revision, message, quiet=False) -
 
 def cmd_upload(args) -> int:
     if not os.path.isdir(args.path):
-        from core import UsageError
+        from shardscope.core import UsageError
 
         raise UsageError("not a folder", args.path)
     return _verified_upload(args.path, args.repo_id, args.private, args.revision,
@@ -625,7 +625,7 @@ def _run_cancellable(plan, on_progress, cancel, log):
     removes its temporary folder (kill -9 cannot be caught: the next merge cleans up)."""
     import signal
 
-    from core import run_merge
+    from shardscope.core import run_merge
 
     def stop(signum, frame):
         cancel.set()
@@ -646,9 +646,9 @@ def cmd_verify(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from core.verify import compare, verify_folder
+    from shardscope.core.verify import compare, verify_folder
 
-    from core import BadCheckpointError
+    from shardscope.core import BadCheckpointError
 
     console = stdout_console()
     problems = verify_folder(args.path)
@@ -693,8 +693,8 @@ def cmd_diff(args) -> int:
     --atol/--rtol), 1 when they differ, 2/3 for usage/bad checkpoint, 130 on Ctrl-C."""
     from rich.console import Console
 
-    from core import UsageError
-    from core.diff import SideOptions, check_readable, diff_checkpoints
+    from shardscope.core import UsageError
+    from shardscope.core.diff import SideOptions, check_readable, diff_checkpoints
 
     if args.atol < 0 or args.rtol < 0 or args.top < 0:
         raise UsageError("--atol, --rtol and --top must not be negative")
@@ -729,7 +729,7 @@ def cmd_diff(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict(top=args.top), indent=2))
     else:
-        from tui.render import render_diff
+        from shardscope.tui.render import render_diff
 
         for w in result.warnings:
             err.print(f"[yellow]warning:[/] {w}", highlight=False)
@@ -741,11 +741,11 @@ def cmd_diff(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from core import UsageError
-    from core.sample import write_sample
+    from shardscope.core import UsageError
+    from shardscope.core.sample import write_sample
 
     if args.megatron:
-        from core.sample_megatron import write_megatron
+        from shardscope.core.sample_megatron import write_megatron
 
         if os.path.exists(args.path):
             raise UsageError("exists; choose a new folder", args.path)
@@ -760,7 +760,7 @@ def cmd_sample(args) -> int:
     try:
         out = write_sample(args.path, world_size=args.world_size, reference=args.reference)
     except FileExistsError as e:
-        from core import UsageError
+        from shardscope.core import UsageError
 
         raise UsageError(str(e)) from None
     print(f"wrote a {args.world_size}-rank FSDP2 checkpoint of a tiny Qwen2 model to {out}"

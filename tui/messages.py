@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from core import CheckpointLayout, MergeResult
+from shardscope.core import CheckpointLayout, MergeResult
 
 
 @dataclass

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                            TransferSpeedColumn)
 
-from core import MergePlan, MergeProgress
-from tui.format import short_path
+from shardscope.core import MergePlan, MergeProgress
+from shardscope.tui.format import short_path
 
 #: above this many source files, only the overall bar is shown (plus a count of files done)
 MAX_FILE_BARS = 16
@@ -76,7 +76,7 @@ class NodeProgressView:
         self.progress.stop()
 
     def update(self, ev) -> None:
-        from core.distributed import NodeProgress
+        from shardscope.core.distributed import NodeProgress
 
         with self.lock:
             if isinstance(ev, NodeProgress):

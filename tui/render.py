@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from core import CheckpointLayout
-from tui.format import human_bytes as _human
+from shardscope.core import CheckpointLayout
+from shardscope.tui.format import human_bytes as _human
 
 
 def config_text(layout: CheckpointLayout) -> str:

@@ -17,7 +17,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.style import Style
 from rich.text import Text
 
-from core import CheckpointLayout, TensorInfo
+from shardscope.core import CheckpointLayout, TensorInfo
 
 #: background colours, one per block (by the order of their first rank)
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",

@@ -13,7 +13,7 @@ from textual.screen import Screen
 from textual.widgets import DirectoryTree, Footer, Header, Label
 from textual.worker import get_current_worker
 
-from tui.messages import FolderDetected, FoldersListed
+from shardscope.tui.messages import FolderDetected, FoldersListed
 
 
 class CheckpointTree(DirectoryTree):
@@ -224,8 +224,8 @@ def _summary(path: str) -> str:
 def folder_summary(path: str) -> str:
     """What a folder holds: ``"fsdp, 2 rank(s)"`` (with the count of problems found),
     ``"unreadable: <reason>"``, or ``""`` when no reader recognises it."""
-    from core import ShardscopeError, detect
-    from core.formats import _readers
+    from shardscope.core import ShardscopeError, detect
+    from shardscope.core.formats import _readers
 
     try:
         if not any(mod.sniff(path) for _, mod in _readers()):

@@ -25,8 +25,8 @@ from textual.screen import ModalScreen, Screen
 from textual.suggester import Suggester
 from textual.widgets import Button, Footer, Header, Input, Label, ProgressBar, Select, Static, Tree
 
-from tui.messages import DiffFailed, DiffFinished
-from tui.widgets.param_tree import ParamTree
+from shardscope.tui.messages import DiffFailed, DiffFinished
+from shardscope.tui.widgets.param_tree import ParamTree
 
 
 class FolderSuggester(Suggester):
@@ -277,8 +277,8 @@ class CompareScreen(Screen):
     @work(thread=True, group="diff", exclusive=True, exit_on_error=False,
           description="compare checkpoints")
     def run_diff(self) -> None:
-        from core import MergeCancelled, ShardscopeError
-        from core.diff import SideOptions, diff_checkpoints
+        from shardscope.core import MergeCancelled, ShardscopeError
+        from shardscope.core.diff import SideOptions, diff_checkpoints
 
         side = SideOptions(hf_config=self.hf_config, lora=self.lora)
         try:

@@ -13,13 +13,13 @@ from textual.screen import Screen
 from textual.widgets import (DataTable, Footer, Header, Input, Static, TabbedContent,
                              TabPane, Tree)
 
-from core import CheckpointLayout, TensorInfo
-from tui.format import short_path
-from tui.messages import ArchitectureChecked, StatsComputed
-from tui.widgets.layout_summary import LayoutSummary
-from tui.widgets.param_tree import ParamTree
-from tui.widgets.shard_table import ShardTable
-from tui.widgets.sharding_map import ShardingMapView
+from shardscope.core import CheckpointLayout, TensorInfo
+from shardscope.tui.format import short_path
+from shardscope.tui.messages import ArchitectureChecked, StatsComputed
+from shardscope.tui.widgets.layout_summary import LayoutSummary
+from shardscope.tui.widgets.param_tree import ParamTree
+from shardscope.tui.widgets.shard_table import ShardTable
+from shardscope.tui.widgets.sharding_map import ShardingMapView
 
 
 def problems_text(layout: CheckpointLayout) -> str:
@@ -133,7 +133,7 @@ class InspectorScreen(Screen):
     def run_check(self) -> None:
         """Judge the checkpoint against its config's model class (core/judge.py) in a
         thread; posts :class:`ArchitectureChecked`."""
-        from core.judge import Verdict, check_layout
+        from shardscope.core.judge import Verdict, check_layout
 
         try:
             verdict = check_layout(self.ckpt)
@@ -236,8 +236,8 @@ class InspectorScreen(Screen):
     @work(thread=True, group="stats", exclusive=True, exit_on_error=False,
           description="tensor statistics")
     def compute_stats(self, name: str) -> None:
-        from core import ShardscopeError
-        from core.stats import tensor_stats
+        from shardscope.core import ShardscopeError
+        from shardscope.core.stats import tensor_stats
 
         try:
             text = stats_text(tensor_stats(self.ckpt, name))
@@ -251,7 +251,7 @@ class InspectorScreen(Screen):
             self.query_one("#stats", Static).update(msg.text)
 
     def action_compare(self) -> None:
-        from tui.screens.compare import ComparePathScreen, CompareScreen
+        from shardscope.tui.screens.compare import ComparePathScreen, CompareScreen
 
         def start(choice: dict | None) -> None:
             if choice:
@@ -263,8 +263,8 @@ class InspectorScreen(Screen):
         self.app.push_screen(ComparePathScreen(os.path.join(parent, "")), start)
 
     def action_merge(self) -> None:
-        from tui.screens.merge_options import MergeOptionsScreen
-        from tui.screens.merge_run import MergeRunScreen
+        from shardscope.tui.screens.merge_options import MergeOptionsScreen
+        from shardscope.tui.screens.merge_run import MergeRunScreen
 
         def start(options) -> None:
             if options is not None:

@@ -14,8 +14,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 
-from core import CheckpointLayout, MergeOptions, ShardscopeError, UsageError
-from core.plan import check_output, parse_size
+from shardscope.core import CheckpointLayout, MergeOptions, ShardscopeError, UsageError
+from shardscope.core.plan import check_output, parse_size
 
 DTYPES = [("keep (as trained)", "keep"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
 
@@ -181,7 +181,7 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
             if self.query("#base-model"):
                 opts.base_model = self.query_one("#base-model", Input).value.strip() or None
         # the same checks the merge makes, so a bad choice is refused here and not later
-        from core.plan import lora_choice
+        from shardscope.core.plan import lora_choice
 
         lora_choice(self.ckpt, opts)
         return opts

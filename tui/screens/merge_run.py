@@ -17,10 +17,10 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
-from core import (CheckpointLayout, MergeCancelled, MergeOptions, MergeProgress,
+from shardscope.core import (CheckpointLayout, MergeCancelled, MergeOptions, MergeProgress,
                   ShardscopeError, plan_merge, run_merge)
-from tui.format import human_bytes, short_path
-from tui.messages import MergeFailed, MergeFinished
+from shardscope.tui.format import human_bytes, short_path
+from shardscope.tui.messages import MergeFailed, MergeFinished
 
 MAX_FILE_BARS = 16
 
@@ -81,12 +81,12 @@ class MergeRunScreen(Screen):
             self.app.call_from_thread(self._show_plan, plan)
             result = run_merge(plan, on_progress=self.on_progress,
                                cancel=worker.cancelled_event)
-            from core.verify import verify_folder
+            from shardscope.core.verify import verify_folder
 
             problems = [f"{p.code}: {p.message}" for p in verify_folder(result.output)
                         if p.severity == "error"]
             if self.options.hf_upload and not problems:
-                from core.publish import upload
+                from shardscope.core.publish import upload
 
                 self.app.call_from_thread(self._show_upload)
                 url = upload(result.output, self.options.hf_upload,
@@ -96,7 +96,7 @@ class MergeRunScreen(Screen):
         except MergeCancelled:
             self.post_message(MergeFailed("cancelled; nothing was written", True))
         except ShardscopeError as e:
-            from tui.screens.merge_options import form_words
+            from shardscope.tui.screens.merge_options import form_words
 
             self.post_message(MergeFailed(form_words(str(e)), False))
         except OSError as e:  # e.g. the output's disk is full or read-only

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.markup import escape
 from textual.widgets import Static
 
-from core import CheckpointLayout
-from tui.format import human_bytes, human_count
+from shardscope.core import CheckpointLayout
+from shardscope.tui.format import human_bytes, human_count
 
 
 def summary_text(layout: CheckpointLayout, check=None) -> str:

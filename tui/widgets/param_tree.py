@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 from textual.widgets import Tree
 
-from core.plan import natural_key
-from tui.format import human_bytes, human_count
+from shardscope.core.plan import natural_key
+from shardscope.tui.format import human_bytes, human_count
 
 
 def fuzzy_match(query: str, name: str) -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from textual.widgets import DataTable
 
-from core import CheckpointLayout
-from tui.format import human_bytes, short_path
+from shardscope.core import CheckpointLayout
+from shardscope.tui.format import human_bytes, short_path
 
 
 def elide(text: str, width: int) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from core import CheckpointLayout, TensorInfo
-from tui.sharding_map import ShardingMap
+from shardscope.core import CheckpointLayout, TensorInfo
+from shardscope.tui.sharding_map import ShardingMap
 
 
 class ShardingMapView(Static):
