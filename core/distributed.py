@@ -336,8 +336,7 @@ def _digest(handles: dict, p: Piece) -> str:
     """BLAKE2b of a piece's elements in C order (and its dtype), read through its strides."""
     import hashlib
 
-    from .dtypes import ITEMSIZE
-    from .formats.fsdp import _handle, _raw
+    from .formats.fsdp import _handle
 
     h = hashlib.blake2b(p.dtype.encode(), digest_size=16)
     if p.contiguous:
@@ -351,8 +350,14 @@ def _digest(handles: dict, p: Piece) -> str:
             h.update(block)
             left -= len(block)
             pos += len(block)
-    else:
-        h.update(_raw(handles, p, ITEMSIZE[p.dtype]))
+    else:  # through its strides, by the merge's strided reader
+        from .execute import _piece_bytes, _Sources
+
+        sources = _Sources()
+        try:
+            h.update(_piece_bytes(p, sources).tobytes())
+        finally:
+            sources.close()
     return h.hexdigest()
 
 

@@ -249,7 +249,7 @@ def test_hsdp_four_nodes_one_without_files(fixtures_root, tmp_path):
     node_disks(fixtures_root / "w4-hsdp-other-names", tmp_path / "ckpt", [[1], [0], [], [3]])
     out = tmp_path / "out"
     procs = launch(4, "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out),
-                   "--distributed", "-q")
+                   "--distributed")
     res = [p.communicate(timeout=600) for p in procs]
     for p, (stdout, stderr) in zip(procs, res):
         assert p.returncode == 0, stdout + stderr
@@ -266,7 +266,7 @@ def test_hsdp_three_replicas_on_two_nodes(hsdp6_root, tmp_path):
     node_disks(hsdp6_root / name, tmp_path / "ckpt", [[0, 3], [5]])
     out = tmp_path / "out"
     procs = launch(2, "merge", str(tmp_path / "ckpt" / "node{rank}"), "-o", str(out),
-                   "--distributed", "-q")
+                   "--distributed")
     for p in procs:
         stdout, stderr = p.communicate(timeout=600)
         assert p.returncode == 0, stdout + stderr

@@ -536,7 +536,13 @@ def _attach(layout, hf_config, root, d) -> None:
     if hf_config:
         attach_config(layout, hf_config)
         return
-    for c in (root / "huggingface", root, d):
+    places = [root / "huggingface", root, d]
+    if d == root and ((root.parent / "latest").is_file()
+                      or (root.parent / "zero_to_fp32.py").is_file()):
+        # PATH is a step folder (or --tag): DeepSpeed's save_checkpoint dir holding `latest`
+        # is its parent, where the run's config sits beside the step folders
+        places += [root.parent / "huggingface", root.parent]
+    for c in places:
         if (c / "config.json").is_file():
             attach_config(layout, c)
             break
