@@ -116,12 +116,38 @@ async def shoot_small(ckpt: Path) -> None:
         save(app, "inspector-80x24")
 
 
+async def shoot_compare(ckpt: Path, other: Path) -> None:
+    """The compare view (``c``): the sharded run against a copy of it fine-tuned for two AdamW
+    steps with its embedding, layer 0 and final norm frozen, sorted by change, with the
+    per-layer chart of relative change."""
+    from shardscope.tui.screens.compare import ComparePathScreen, CompareScreen
+
+    app = make_app(str(ckpt))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen)
+                       and app.screen.is_mounted)
+        await pilot.press("c")
+        await wait_for(pilot, lambda: isinstance(app.screen, ComparePathScreen)
+                       and app.screen.is_mounted)
+        app.screen.query_one("#compare-path").value = ""
+        await pilot.press(*str(other), "enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen)
+                       and app.screen.is_mounted and app.screen.finished, tries=2400)
+        await pilot.pause(0.3)
+        save(app, "compare")
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="shardscope-shots-"))
     try:
         write_sample(tmp / "global_step_100" / "actor", world_size=4)
         asyncio.run(shoot(tmp / "global_step_100" / "actor", tmp / "merged_hf"))
         asyncio.run(shoot_small(tmp / "global_step_100" / "actor"))
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        from fixtures_diff import write_training_steps  # real AdamW steps, frozen layers
+
+        write_training_steps(tmp / "merged_hf", tmp / "finetuned")
+        asyncio.run(shoot_compare(tmp / "global_step_100" / "actor", tmp / "finetuned" / "step2"))
         try:
             from shardscope.core.sample_megatron import write_megatron
 
