@@ -250,19 +250,25 @@ def training_root(fixtures_root) -> Path:
     return cached(_cache_root().parent / f"training-{key}", write, lock="lock-training")
 
 
-def flip_largest_storage(f: Path) -> tuple[int, int]:
-    """Flip one byte in the middle of the largest tensor storage of the torch.save zip ``f``
-    (what a bad disk or copy does; the zip's CRC-32 then fails). Returns (byte where that
-    storage's data starts, its size)."""
+def flip_largest_storage(f: Path, base: int = 0, length: int | None = None) -> tuple[int, int]:
+    """Flip one byte in the middle of the largest storage record of the torch.save zip at byte
+    ``base`` of ``f`` (``length`` bytes; None: to the end of the file — a DCP .distcp file holds
+    one such archive per chunk), as a bad disk or copy does: the record's CRC-32 then fails.
+    Returns (absolute byte where that record's data starts, its size)."""
+    import os
     import struct
     import zipfile
 
-    z = zipfile.ZipFile(f)
-    info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    from shardscope.core.formats.torchsave import _Window
+
     with open(f, "r+b") as fh:
-        fh.seek(info.header_offset)
+        size = os.fstat(fh.fileno()).st_size
+        z = zipfile.ZipFile(_Window(fh, base, (size - base) if length is None else length))
+        info = max((i for i in z.infolist() if "/data/" in i.filename),
+                   key=lambda i: i.file_size)
+        fh.seek(base + info.header_offset)
         n, m = struct.unpack("<HH", fh.read(30)[26:30])
-        data = info.header_offset + 30 + n + m
+        data = base + info.header_offset + 30 + n + m
         pos = data + info.file_size // 2
         fh.seek(pos)
         b = fh.read(1)

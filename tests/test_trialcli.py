@@ -6,44 +6,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, copy_checkpoint
+from conftest import ROOT, copy_checkpoint, flip_largest_storage
 from shardscope.core import MergeOptions, detect, plan_merge
 
 
 def cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def flip_storage_byte(f: Path, base: int = 0, length: int | None = None) -> tuple[int, int]:
-    """Flip one byte in the middle of the largest storage record of the torch.save archive at
-    byte ``base`` of ``f`` (``length`` bytes; None: the whole file), as a bad disk or copy does.
-    Returns (absolute byte where that record's data starts, its size)."""
-    from shardscope.core.formats.torchsave import _Window
-
-    with open(f, "r+b") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        z = zipfile.ZipFile(_Window(fh, base, (size - base) if length is None else length))
-        info = max((i for i in z.infolist() if "/data/" in i.filename),
-                   key=lambda i: i.file_size)
-        fh.seek(base + info.header_offset)
-        n, m = struct.unpack("<HH", fh.read(30)[26:30])
-        data = base + info.header_offset + 30 + n + m
-        pos = data + info.file_size // 2
-        fh.seek(pos)
-        b = fh.read(1)
-        fh.seek(pos)
-        fh.write(bytes([b[0] ^ 0x5A]))
-    return data, info.file_size
 
 
 def tensors_in(layout, file: str, start: int, size: int) -> set[str]:
@@ -56,7 +32,7 @@ def tensors_in(layout, file: str, start: int, size: int) -> set[str]:
 def test_merge_refuses_a_flipped_byte_in_a_rank_file(fixtures_root, tmp_path):
     ck = copy_checkpoint(fixtures_root / "w3-llama-f32", tmp_path / "ck")
     f = ck / "model_world_size_3_rank_1.pt"
-    start, size = flip_storage_byte(f)
+    start, size = flip_largest_storage(f)
     names = tensors_in(detect(ck), str(f), start, size)
     assert names
     assert cli("inspect", ck).returncode == 0  # metadata only: the data is not read
@@ -76,7 +52,7 @@ def test_merge_refuses_a_flipped_byte_in_a_dcp_chunk(fixtures_root, tmp_path):
     layout = detect(ck)
     p = next(p for t in layout.tensors.values() for p in t.pieces
              if p.archive is not None and p.numel > 64)
-    start, size = flip_storage_byte(Path(p.file), p.archive[0], p.archive[1])
+    start, size = flip_largest_storage(Path(p.file), p.archive[0], p.archive[1])
     r = cli("merge", ck, "-o", tmp_path / "out", "--hf-config",
             fixtures_root / "w3-dcp.reference")
     assert r.returncode == 3, r.stderr
