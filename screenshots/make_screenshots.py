@@ -132,7 +132,8 @@ async def shoot_compare(ckpt: Path, other: Path) -> None:
         app.screen.query_one("#compare-path").value = ""
         await pilot.press(*str(other), "enter")
         await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen)
-                       and app.screen.is_mounted and app.screen.finished, tries=2400)
+                       and app.screen.is_mounted and app.screen.finished
+                       and app.screen.landed, tries=2400)
         await pilot.pause(0.3)
         save(app, "compare")
 

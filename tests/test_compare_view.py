@@ -35,7 +35,10 @@ async def open_compare(pilot, app, other, tries: int = 2400):
                    and app.screen.is_mounted)
     screen = app.screen
     if tries:
-        await wait_for(pilot, lambda: screen.finished, tries=tries)
+        # finished, and (with a result) the tree filled and the cursor landed: on a loaded
+        # machine the landing runs a refresh after the worker's message
+        await wait_for(pilot, lambda: screen.finished
+                       and (screen.result is None or screen.landed), tries=tries)
         await pilot.pause(0.2)
     return screen
 

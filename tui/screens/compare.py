@@ -226,6 +226,8 @@ class CompareScreen(Screen):
         self.result = None
         #: the worker stopped (finished, failed or cancelled)
         self.finished = False
+        #: the tree was filled and the cursor put on its first tensor (after the result)
+        self.landed = False
         self.cancelled = False
         #: the layer with the largest relative change (the chart's marked bar), or None
         self.top_layer: str | None = None
@@ -355,6 +357,7 @@ class CompareScreen(Screen):
             self.query_one("#diff-detail", Static).update(detail_text(leaf.data))
         else:
             self.query_one("#diff-detail", Static).update("[dim]no tensor matches[/]")
+        self.landed = True
 
     @on(Tree.NodeHighlighted, "#diff-tree")
     def _show(self, event: Tree.NodeHighlighted) -> None:

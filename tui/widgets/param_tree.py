@@ -108,7 +108,10 @@ class ParamTree(Tree[Any]):
         while p is not None:
             p.expand()
             p = p.parent
-        self.move_cursor(node)
+        # expand() only drops the tree's line cache: reading last_line rebuilds it now, so
+        # node's line number is current and the cursor lands on it (not on a stale line)
+        if self.last_line >= 0:
+            self.move_cursor(node)
 
     def rebuild(self) -> None:
         self.clear()
