@@ -770,7 +770,16 @@ def cmd_sample(args) -> int:
 
 def entry() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    code = main()
+    if "--distributed" in sys.argv[1:] and "torch.distributed" in sys.modules:
+        # a process that was in a gloo process group ends without running C++ static
+        # destructors: after a SIGTERM or a lost peer, gloo's threads could otherwise abort
+        # the exit ("terminate called without an active exception", signal 6) and hide the
+        # exit code that was decided above (the output is already renamed or removed)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
