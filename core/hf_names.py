@@ -399,22 +399,90 @@ def saved_mapping(layout, mapping: dict[str, str], config_dir: str | None,
     """
     if config_dir is None or not mapping:
         return mapping, {}
+    from . import archcache
+
+    ckey = archcache.config_key(config_dir, None, trust_remote_code)
+    dkey = None
+    if ckey:  # what the model says about these names, shapes and dtypes, when already known
+        sig = []
+        for n in sorted(mapping):
+            t = layout.tensors.get(mapping[n]) if isinstance(mapping[n], str) else None
+            sig.append([n, None] if t is None else [n, list(t.shape), t.dtype])
+        dkey = archcache.digest(ckey, "save_form", sig)
+        hit = _decode(archcache.load(dkey))
+        if hit is not None and all(n in mapping for n in hit[0]):
+            own, form = hit
+            if form is None:
+                return mapping, {}
+            memory = {n: (layout.tensors[mapping[n]].shape, layout.tensors[mapping[n]].dtype)
+                      for n in own}
+            return _wrapped(layout, mapping, form, memory)
+    form, memory = _form(layout, mapping, config_dir, trust_remote_code)
+    if dkey:
+        archcache.store(dkey, _encode(form, memory))
+    if form is None:
+        return mapping, {}
+    return _wrapped(layout, mapping, form, memory)
+
+
+def _form(layout, mapping, config_dir, trust_remote_code):
+    """(SaveForm, in-memory tensors) of the judge's meta model for ``mapping``'s names, or
+    (None, None) when there is no model or it holds none of them."""
     from .judge import meta_model
 
     model = meta_model(mapping, config_dir, trust_remote_code=trust_remote_code)
     if model is None:
-        return mapping, {}
+        return None, None
     own = set(model.state_dict())
     memory = {n: (layout.tensors[s].shape, layout.tensors[s].dtype)
               for n, s in mapping.items() if n in own}
     if not memory:
-        return mapping, {}
+        return None, None
     try:
-        return _saved_mapping(layout, mapping, save_form(model, memory), memory)
+        return save_form(model, memory), memory
     except BadCheckpointError as e:
         if e.path is None:
             raise BadCheckpointError(e.message, layout.path) from None
         raise
+
+
+def _wrapped(layout, mapping, form, memory):
+    try:
+        return _saved_mapping(layout, mapping, form, memory)
+    except BadCheckpointError as e:
+        if e.path is None:
+            raise BadCheckpointError(e.message, layout.path) from None
+        raise
+
+
+def _encode(form: SaveForm | None, memory) -> dict:
+    """A :class:`SaveForm` (and the in-memory names it was made from) as JSON."""
+    if form is None:
+        return {"form": None}
+    return {"memory": sorted(memory), "form": {
+        "model": form.model, "dropped": sorted(form.dropped),
+        "tensors": [[n, list(shape), [[list(b.offsets), list(b.shape), b.source, list(b.start),
+                                       list(b.dims)] for b in boxes]]
+                    for n, (shape, boxes) in form.tensors.items()]}}
+
+
+def _decode(v) -> tuple[list[str], SaveForm | None] | None:
+    """:func:`_encode`'s inverse: (in-memory names, SaveForm or None); None when ``v`` is not
+    such an entry (a miss)."""
+    def ints(x):
+        return tuple(int(i) for i in x)
+
+    try:
+        f = v["form"]
+        if f is None:
+            return [], None
+        tensors = {str(n): (ints(shape), [Box(ints(o), ints(sh), str(src), ints(st), tuple(
+            None if d is None else int(d) for d in dims)) for o, sh, src, st, dims in boxes])
+            for n, shape, boxes in f["tensors"]}
+        return [str(n) for n in v["memory"]], SaveForm(str(f["model"]), tensors,
+                                                        {str(n) for n in f["dropped"]})
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _saved_mapping(layout, mapping, form: SaveForm, memory):

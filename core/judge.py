@@ -40,6 +40,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from . import archcache
 from .dtypes import FLOATING
 
 #: transformers' auto-class tables tried for a ``model_type``, in order (names in
@@ -451,17 +452,17 @@ def check(tensors: Mapping[str, tuple[tuple[int, ...], str]], config_dir: str | 
                                "against the model)")
     try:
         key = _config_key(config_dir, config_fields, trust_remote_code)
-        config, classes, named, note = _expected_cached(key, "", lambda: _candidates_or_skip(
-            config_dir, config_fields, trust_remote_code))
+        ckey = archcache.config_key(config_dir, config_fields, trust_remote_code)
+        classes, named, note, model_type = _facts(key, ckey, config_dir, config_fields,
+                                                  trust_remote_code)
     except Skip as e:
         return Verdict(skipped=str(e))
     except OSError as e:
         return Verdict(skipped=f"config.json cannot be read ({e.strerror or e})")
     first: Verdict | None = None
-    for i, (name, get_cls) in enumerate(classes):
+    for i, name in enumerate(classes):
         try:
-            exp = _expected_cached(key, name, lambda n=name, g=get_cls: _build_or_skip(
-                key, n, g, config))
+            exp = _expected(key, ckey, name, config_dir, config_fields, trust_remote_code)
         except Skip as e:
             if i == 0:
                 return Verdict(skipped=str(e))
@@ -474,7 +475,7 @@ def check(tensors: Mapping[str, tuple[tuple[int, ...], str]], config_dir: str | 
                 v.note = f"config.json names {named}; the weights are those of {name}"
             elif not named:
                 v.note = ((note + "; ") if note else "config.json names no class; ") + \
-                    f"chosen among the model classes for model_type {config.model_type!r}"
+                    f"chosen among the model classes for model_type {model_type!r}"
             return v
     first.note = note
     return first
@@ -556,6 +557,81 @@ def _model_cached(key: tuple, name: str, get_cls, config):
     return hit
 
 
+# -- the persistent cache (core/archcache.py) -------------------------------------------------
+
+
+def _facts(key: tuple, ckey: str | None, config_dir, config_fields, trust):
+    """(class names tried in order, named, note, model_type) of :func:`candidates` for a
+    config, from the persistent cache when ``ckey`` (:func:`core.archcache.config_key`) has
+    them, else from transformers (then stored). Raises Skip (a Skip is cached too: it depends
+    only on the config and the installed versions)."""
+    def build():
+        dkey = archcache.digest(ckey, "candidates") if ckey else None
+        if dkey:
+            hit = _decode_facts(archcache.load(dkey))
+            if hit is not None:
+                return hit
+        try:
+            config, classes, named, note = _expected_cached(key, "", lambda: (
+                _candidates_or_skip(config_dir, config_fields, trust)))
+            res: Any = ([n for n, _ in classes], named, note,
+                        getattr(config, "model_type", None))
+        except Skip as e:
+            res = e
+        if dkey:
+            archcache.store(dkey, {"skip": str(res)} if isinstance(res, Skip) else
+                            {"classes": res[0], "named": res[1], "note": res[2],
+                             "model_type": res[3]})
+        return res
+
+    return _expected_cached(key, "#facts", build)
+
+
+def _decode_facts(v):
+    try:
+        if "skip" in v:
+            return Skip(str(v["skip"]))
+        classes = [str(n) for n in v["classes"]]
+        opt = [v[k] if v[k] is None else str(v[k]) for k in ("named", "note", "model_type")]
+        return (classes, *opt) if classes else None
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _expected(key: tuple, ckey: str | None, name: str, config_dir, config_fields,
+              trust) -> Expected:
+    """The :class:`Expected` of class ``name`` for a config, from the persistent cache when
+    it has it, else built on the meta device (then stored). Raises Skip."""
+    def build():
+        dkey = archcache.digest(ckey, "expected", name) if ckey else None
+        if dkey:
+            hit = _decode_expected(archcache.load(dkey))
+            if hit is not None:
+                return hit
+        config, classes, _, _ = _expected_cached(key, "", lambda: _candidates_or_skip(
+            config_dir, config_fields, trust))
+        res = _build_or_skip(key, name, dict(classes)[name], config)
+        if dkey:
+            archcache.store(dkey, {"skip": str(res)} if isinstance(res, Skip) else
+                            {"architecture": res.architecture,
+                             "tensors": [[n, list(s), k] for n, (s, k) in res.tensors.items()],
+                             "aliases": [[a, b] for a, b in res.aliases.items()]})
+        return res
+
+    return _expected_cached(key, name, build)
+
+
+def _decode_expected(v):
+    try:
+        if "skip" in v:
+            return Skip(str(v["skip"]))
+        tensors = {str(n): (tuple(int(x) for x in s), str(k)) for n, s, k in v["tensors"]}
+        aliases = {str(a): str(b) for a, b in v["aliases"]}
+        return Expected(str(v["architecture"]), tensors, aliases)
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
 def check_layout(layout, hf_config: str | None = None,
                  trust_remote_code: bool = False) -> Verdict:
     """Judge a checkpoint as ``inspect --check`` sees it: its tensors under the names a merge
@@ -585,10 +661,9 @@ def tied_aliases(config_dir: str | None, trust_remote_code: bool = False) -> dic
         return {}
     try:
         key = _config_key(config_dir, None, trust_remote_code)
-        config, classes, _, _ = _expected_cached(key, "", lambda: _candidates_or_skip(
-            config_dir, None, trust_remote_code))
-        name, get_cls = classes[0]
-        return dict(_expected_cached(key, name, lambda: _build_or_skip(
-            key, name, get_cls, config)).aliases)
+        ckey = archcache.config_key(config_dir, None, trust_remote_code)
+        classes = _facts(key, ckey, config_dir, None, trust_remote_code)[0]
+        return dict(_expected(key, ckey, classes[0], config_dir, None,
+                              trust_remote_code).aliases)
     except (Skip, OSError):
         return {}

@@ -211,14 +211,29 @@ class CheckpointLayout:
 def coverage_problems(t: TensorInfo) -> list[Problem]:
     """Check that ``t``'s pieces tile its global shape exactly: no gap, no overlap, no piece
     outside the tensor. Returns ``coverage-gap``/``coverage-overlap``/``piece-out-of-bounds``
-    problems (empty when sound)."""
+    problems (empty when sound).
+
+    Called for every tensor when a layout is read and again when a merge is planned, so the
+    common case is a fast path: pieces that span every dim but the first (FSDP's ``Shard(0)``,
+    row splits) are checked with tuple comparisons and one sort (adjacent pieces only);
+    any other piece takes the general path (pairwise boxes when more than one dim is split).
+    Both give the same problems, in the same order."""
     problems: list[Problem] = []
     shape = t.piece_shape
     ndim = len(shape)
+    rest, zeros = tuple(shape[1:]), (0,) * (ndim - 1)
+    rest_numel = math.prod(rest)
+    first = shape[0] if ndim else 0
+    rows = ndim > 0  # every non-empty piece spans dims 1.. whole (only dim 0 may be split)
     sized = []  # (global offsets, shape, numel, piece) of the non-empty pieces
     for p in t.pieces:
         offs, ps = p.global_offsets, p.shape
-        if len(ps) != ndim:
+        if ndim and ps[1:] == rest and offs[1:] == zeros and len(ps) == ndim \
+                and len(offs) == ndim:
+            o, s = offs[0], ps[0]
+            bad = o < 0 or o + s > first
+            n = s * rest_numel
+        elif len(ps) != ndim:
             bad = True
         else:
             bad = False
@@ -226,16 +241,48 @@ def coverage_problems(t: TensorInfo) -> list[Problem]:
                 if o < 0 or o + s > g:
                     bad = True
                     break
+            n = math.prod(ps)
+            if n and not bad:
+                rows = False
         if bad:
             problems.append(Problem("piece-out-of-bounds",
                                     f"{t.name}: piece {p.shape} at {p.global_offsets} lies outside "
                                     f"the global shape {shape}", p.file))
-        elif not problems:
-            n = math.prod(ps)
-            if n:
-                sized.append((offs, ps, n, p))
+        elif not problems and n:
+            sized.append((offs, ps, n, p))
     if problems:
         return problems
+    total = sum(x[2] for x in sized)
+    # Overlap: compare boxes pairwise; pieces sorted by offset so a 1-D split is checked in
+    # linear time (only neighbours can overlap when every piece spans the other dims fully).
+    sized.sort(key=lambda x: x[0])
+    pieces = [x[3] for x in sized]
+    if rows:  # split along dim 0 at most: a neighbour overlaps when it starts before the end
+        for (ao, asz, _, a), (bo, _, _, b) in zip(sized, sized[1:]):
+            if bo[0] < ao[0] + asz[0]:
+                problems.append(Problem("coverage-overlap",
+                                        f"{t.name}: pieces at {a.global_offsets} and "
+                                        f"{b.global_offsets} overlap", b.file))
+                return problems
+        pairs = ()
+    else:
+        split_dims = {d for _, ps, _, _ in sized for d, (s, g) in enumerate(zip(ps, shape))
+                      if s != g}
+        if len(split_dims) <= 1:
+            pairs = zip(pieces, pieces[1:])
+        else:
+            pairs = ((a, b) for i, a in enumerate(pieces) for b in pieces[i + 1:])
+    for a, b in pairs:
+        if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in
+               zip(a.global_offsets, a.shape, b.global_offsets, b.shape)):
+            problems.append(Problem("coverage-overlap",
+                                    f"{t.name}: pieces at {a.global_offsets} and {b.global_offsets} "
+                                    "overlap", b.file))
+            return problems
+    if total != t.numel:
+        problems.append(Problem("coverage-gap", f"{t.name}: pieces hold {total} of {t.numel} "
+                                                "elements", t.pieces[0].file if t.pieces else None))
+    return problems
     total = sum(x[2] for x in sized)
     # Overlap: compare boxes pairwise; pieces sorted by offset so a 1-D split is checked in
     # linear time (only neighbours can overlap when every piece spans the other dims fully).

@@ -32,6 +32,14 @@ sys.path.insert(0, str(SHIM))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(SHIM)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                    if p and p != str(SHIM)])
+# The architecture cache (core/archcache.py) of the tests and of the subprocesses they start
+# goes to a folder of this session, removed at exit: tests never touch ~/.cache.
+import atexit  # noqa: E402
+import tempfile  # noqa: E402
+
+_ARCH_CACHE = tempfile.mkdtemp(prefix="shardscope-archcache-")
+os.environ["SHARDSCOPE_CACHE"] = _ARCH_CACHE
+atexit.register(shutil.rmtree, _ARCH_CACHE, True)
 _pkg = sys.modules.get("shardscope")
 if _pkg is not None and list(getattr(_pkg, "__path__", [])) != [str(ROOT)]:
     raise RuntimeError(f"`shardscope` was imported from {list(_pkg.__path__)} before "

@@ -1,0 +1,140 @@
+"""A persistent on-disk cache of what the meta model says, so a warm merge plans without
+importing transformers.
+
+The architecture check (:mod:`core.judge`) and the rename tracing (:mod:`core.hf_names`) build
+the config's model class on the meta device. What they learn depends only on the config, the
+class, the tensors asked about and the installed transformers and torch; it costs seconds of
+imports (``import transformers`` and the model's module) against milliseconds of merge on a
+small model. Each answer is stored as one JSON file, named by a SHA-256 of everything it
+depends on:
+
+- :data:`SCHEMA` (shardscope's own: bump it when what is stored or how it is derived changes);
+- the installed ``transformers`` and ``torch`` versions, read with
+  :func:`importlib.metadata.version` (no import);
+- the config: the canonical JSON of ``config.json`` (keys sorted) or of the derived fields
+  (Megatron), and ``trust_remote_code``. A config with ``auto_map`` (remote code) is never
+  cached: its classes are code outside the key;
+- what the entry is about (a class name; the names, shapes and dtypes asked about).
+
+Location: ``$SHARDSCOPE_CACHE``, else ``$XDG_CACHE_HOME/shardscope``, else
+``~/.cache/shardscope``; ``SHARDSCOPE_CACHE=off`` turns it off. Entries are written
+atomically (a temporary file renamed into place); an entry that cannot be read or parsed, or
+that holds another key, is a miss (rebuilt and rewritten); a folder that cannot be written is
+not an error (the answer is simply not kept). No torch or transformers import here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from importlib import metadata
+from typing import Any
+
+#: bump when an entry's content or its derivation changes (old entries then miss)
+SCHEMA = 1
+#: values of $SHARDSCOPE_CACHE that turn the cache off
+OFF = ("off", "0", "no", "false", "none")
+
+_versions: tuple[str, str] | None = None
+
+
+def cache_dir() -> str | None:
+    """The cache folder (``.../arch`` under the root described in the module docstring), or
+    None when ``SHARDSCOPE_CACHE`` turns it off."""
+    root = os.environ.get("SHARDSCOPE_CACHE")
+    if root is not None and root.strip().lower() in OFF:
+        return None
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                ".cache")
+        root = os.path.join(xdg, "shardscope")
+    return os.path.join(root, "arch")
+
+
+def versions() -> tuple[str, str]:
+    """(transformers version, torch version) as installed (``?`` when not installed), read
+    from the packages' metadata without importing them."""
+    global _versions
+    if _versions is None:
+        out = []
+        for dist in ("transformers", "torch"):
+            try:
+                out.append(metadata.version(dist))
+            except metadata.PackageNotFoundError:
+                out.append("?")
+        _versions = (out[0], out[1])
+    return _versions
+
+
+def digest(*parts: Any) -> str:
+    """SHA-256 (hex) of the canonical JSON of ``parts`` (keys sorted; non-JSON values by
+    ``str``)."""
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def config_key(config_dir: str | None, config_fields: dict | None,
+               trust: bool) -> str | None:
+    """The part of every key that names a config: a digest of :data:`SCHEMA`, the installed
+    versions, the canonical config JSON and ``trust``. None when the config must not be
+    cached (remote code: ``auto_map``) or cannot be read (the cold path then says why)."""
+    if config_dir is not None:
+        try:
+            with open(os.path.join(config_dir, "config.json"), encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return None
+    else:
+        raw = config_fields
+    if not isinstance(raw, dict) or raw.get("auto_map"):
+        return None
+    return digest(SCHEMA, versions(), "dir" if config_dir is not None else "fields", raw,
+                  bool(trust))
+
+
+def _path(key: str) -> str | None:
+    d = cache_dir()
+    return None if d is None else os.path.join(d, key[:2], key + ".json")
+
+
+def load(key: str) -> Any | None:
+    """The value stored under ``key`` (a :func:`digest`), or None: no entry, cache off, or an
+    entry that cannot be read, is not valid JSON or holds another key."""
+    p = _path(key)
+    if p is None:
+        return None
+    try:
+        with open(p, encoding="utf-8") as f:
+            entry = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key or "value" not in entry:
+        return None
+    return entry["value"]
+
+
+def store(key: str, value: Any) -> None:
+    """Keep ``value`` (JSON-able) under ``key``: written to a temporary file in the entry's
+    folder and renamed into place, so a reader sees the whole entry or none. Any OSError (a
+    read-only or full disk) is ignored: the cache is an optimisation."""
+    p = _path(key)
+    if p is None:
+        return
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"key": key, "value": value}, f, separators=(",", ":"))
+        os.replace(tmp, p)
+        tmp = None
+    except (OSError, TypeError, ValueError):
+        pass
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
