@@ -9,7 +9,8 @@ copy floor, peak RSS of the job's process tree, and that peak over the model siz
 ``shardscope inspect --json`` and ``merge`` on FSDP2 checkpoints of an 80-layer model saved by
 ``--many`` ranks (256 and 1024 by default; each rank written by its own process under torch's
 ``fake`` backend), against ``torch.load`` of every rank file, and the app's start to its first
-screen. ``--no-peers`` leaves out the DCP, verl and Megatron peers (long). Ratios within one
+screen. Merges plan with a warm architecture cache (core/archcache.py, filled by this run
+before timing) except the many-rank rows marked cold (``SHARDSCOPE_CACHE=off``). ``--no-peers`` leaves out the DCP, verl and Megatron peers (long). Ratios within one
 run are what to compare: these machines are shared and noisy.
 """
 
@@ -161,19 +162,31 @@ def model_bytes(fsdp_dir: Path) -> int:
     return detect(fsdp_dir).bytes
 
 
-def _layout_and_plan_cpu(path: Path) -> tuple[float, float]:
-    """CPU seconds of reading the layout and of planning the merge on it, in a fresh
-    process (CPU time: the wall time of a loaded machine says little about a step)."""
+def _split_cpu(path: Path, cache: str, out: Path) -> tuple[float, float, float]:
+    """CPU seconds of reading the layout, planning the merge and running it, in a fresh
+    process whose architecture cache (core/archcache.py, ``SHARDSCOPE_CACHE``) is ``cache``:
+    ``off`` for a cold plan (imports transformers, builds the model on the meta device), a
+    folder already filled by a plan of the same checkpoint for a warm one (CPU time: the wall
+    time of a loaded machine says little about a step)."""
     code = ("import sys, time\n"
-            "from shardscope.core import MergeOptions, detect, plan_merge\n"
+            "from shardscope.core import MergeOptions, detect, plan_merge, run_merge\n"
             "t = time.process_time(); layout = detect(sys.argv[1])\n"
             "t1 = time.process_time()\n"
-            "plan_merge(layout, MergeOptions(output=sys.argv[1] + '.plan-only'))\n"
-            "print(t1 - t, time.process_time() - t1)")
-    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                       cwd=ROOT)
-    a, b = r.stdout.split()[-2:]
-    return float(a), float(b)
+            "plan = plan_merge(layout, MergeOptions(output=sys.argv[2]))\n"
+            "t2 = time.process_time(); run_merge(plan)\n"
+            "print(t1 - t, t2 - t1, time.process_time() - t2)")
+    shutil.rmtree(out, ignore_errors=True)
+    r = subprocess.run([sys.executable, "-c", code, str(path), str(out)], capture_output=True,
+                       text=True, cwd=ROOT, env=dict(os.environ, SHARDSCOPE_CACHE=cache))
+    shutil.rmtree(out, ignore_errors=True)
+    a, b, c = r.stdout.split()[-3:]
+    return float(a), float(b), float(c)
+
+
+def _warm(cache: Path, path: Path) -> None:
+    """Fill the architecture cache ``cache`` with what a plan of ``path`` asks."""
+    subprocess.run([sys.executable, "-c", PLAN_ONLY, str(path)], cwd=ROOT, check=True,
+                   env=dict(os.environ, SHARDSCOPE_CACHE=str(cache)))
 
 
 def _megatron_checkpoint(cache: Path) -> Path:
@@ -228,10 +241,18 @@ def main() -> None:
             write_many_ranks_procs(many[w], w)
     work = Path(args.work or Path(args.cache) / "work")
     work.mkdir(parents=True, exist_ok=True)
+    # The architecture cache (core/archcache.py) of every job: a folder of this run, filled
+    # before the first timed job, so every merge row plans warm (no transformers import) but
+    # the many-rank rows marked cold (SHARDSCOPE_CACHE=off: transformers imported, the model
+    # built on the meta device)
+    arch = work / "archcache"
+    shutil.rmtree(arch, ignore_errors=True)
+    os.environ["SHARDSCOPE_CACHE"] = str(arch)
     fsdp, dcp = cache / "fsdp", cache / "dcp"
     size = model_bytes(fsdp)
     shard_bytes = sum(p.stat().st_size for p in fsdp.glob("*.pt"))
     exe = [sys.executable, "-m", "shardscope.tui.cli"]
+    _warm(arch, fsdp)
     out = work / "out"
     jobs: list[tuple[str, list[str], Path | None, int | None]] = [
         ("copy floor (read shards, write same bytes)",
@@ -273,10 +294,19 @@ def main() -> None:
              [sys.executable, "-c", FSDP_LOAD_PEER, str(src)], None, None),
             (f"shardscope inspect --json, {w} ranks", exe + ["inspect", str(src), "--json"],
              None, None),
-            (f"shardscope read layout + plan only, {w} ranks",
-             [sys.executable, "-c", PLAN_ONLY, str(src)], None, None),
-            (f"shardscope merge, {w} ranks", exe + ["merge", str(src), "-o", str(out), "-q"],
-             out, 5 * 10**9)]
+            (f"shardscope read layout + plan only, {w} ranks, cold (no architecture cache)",
+             ["env", "SHARDSCOPE_CACHE=off", sys.executable, "-c", PLAN_ONLY, str(src)], None,
+             None),
+            (f"shardscope read layout + plan only, {w} ranks, warm architecture cache",
+             ["env", f"SHARDSCOPE_CACHE={arch}", sys.executable, "-c", PLAN_ONLY, str(src)],
+             None, None),
+            (f"shardscope merge, {w} ranks, cold (no architecture cache)",
+             ["env", "SHARDSCOPE_CACHE=off"] + exe + ["merge", str(src), "-o", str(out), "-q"],
+             out, 5 * 10**9),
+            (f"shardscope merge, {w} ranks, warm architecture cache",
+             ["env", f"SHARDSCOPE_CACHE={arch}"] + exe + ["merge", str(src), "-o", str(out),
+                                                          "-q"], out, 5 * 10**9)]
+        _warm(arch, src)
     if args.megatron:  # after the FSDP group: each group's ratios are to its own floor
         mg = _megatron_checkpoint(Path(args.cache))
         for kind in ("legacy", "torch_dist"):
@@ -306,7 +336,8 @@ def main() -> None:
     app = measure([sys.executable, "-c", APP_START, str(fsdp)], None, args.reps)
     app_many = {w: measure([sys.executable, "-c", APP_START, str(src)], None, args.reps)
                 for w, src in many.items()}
-    split = {w: _layout_and_plan_cpu(src) for w, src in many.items()}
+    split = {w: {k: _split_cpu(src, c, work / "split-out") for k, c in
+                 (("cold", "off"), ("warm", str(arch)))} for w, src in many.items()}
     cpu = platform.processor() or platform.machine()
     print(f"\nmodel: {size / 1e9:.2f} GB of tensors, {shard_bytes / 1e9:.2f} GB in "
           f"{args.world_size} rank files" + (f"; Megatron model {mg_size / 1e9:.2f} GB"
@@ -342,15 +373,20 @@ def main() -> None:
             print(f"\n{n}: {r['wall'] / keep['wall']:.2f} x the keep-dtype merge")
     for w in many:
         get = {n: r for n, r, *_ in rows}
-        ins, plan = get[f"shardscope inspect --json, {w} ranks"], \
-            get[f"shardscope read layout + plan only, {w} ranks"]
-        load, merge = get[f"peer floor: torch.load of every rank file ({w} ranks)"], \
-            get[f"shardscope merge, {w} ranks"]
-        lay, pl = split[w]
+        ins = get[f"shardscope inspect --json, {w} ranks"]
+        load = get[f"peer floor: torch.load of every rank file ({w} ranks)"]
         print(f"\n{w} ranks x {len(detect_names(many[w]))} tensors: inspect --json "
               f"{ins['wall']:.2f} s = {ins['wall'] / load['wall']:.2f} x torch.load of every "
-              f"file; layout + plan {plan['wall']:.2f} s of the merge's {merge['wall']:.2f} s "
-              f"(in process, CPU: reading the layout {lay:.2f} s, planning {pl:.2f} s)")
+              "file")
+        for k in ("cold", "warm"):
+            sfx = ("cold (no architecture cache)" if k == "cold" else "warm architecture cache")
+            plan = get[f"shardscope read layout + plan only, {w} ranks, {sfx}"]
+            merge = get[f"shardscope merge, {w} ranks, {sfx}"]
+            lay, pl, run = split[w][k]
+            print(f"- {k}: layout + plan {plan['wall']:.2f} s of the merge's "
+                  f"{merge['wall']:.2f} s (wall); in process, CPU: reading the layout "
+                  f"{lay:.2f} s, planning {pl:.2f} s, writing {run:.2f} s: planning is "
+                  f"{100 * pl / (lay + pl + run):.0f}% of the merge's CPU")
     print(f"\napp start to first screen: {app['wall']:.2f} s" + "".join(
         f"; {w} ranks: {r['wall']:.2f} s" for w, r in app_many.items()))
 
