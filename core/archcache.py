@@ -9,8 +9,8 @@ small model. Each answer is stored as one JSON file, named by a SHA-256 of every
 depends on:
 
 - :data:`SCHEMA` (shardscope's own: bump it when what is stored or how it is derived changes);
-- the installed ``transformers`` and ``torch`` versions, read with
-  :func:`importlib.metadata.version` (no import);
+- the installed ``transformers`` and ``torch`` versions, read from their ``METADATA`` as
+  :func:`importlib.metadata.version` does (no import);
 - the config: the canonical JSON of ``config.json`` (keys sorted) or of the derived fields
   (Megatron), and ``trust_remote_code``. A config with ``auto_map`` (remote code) is never
   cached: its classes are code outside the key;
@@ -28,8 +28,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
-from importlib import metadata
 from typing import Any
 
 #: bump when an entry's content or its derivation changes (old entries then miss)
@@ -58,14 +58,44 @@ def versions() -> tuple[str, str]:
     from the packages' metadata without importing them."""
     global _versions
     if _versions is None:
-        out = []
-        for dist in ("transformers", "torch"):
-            try:
-                out.append(metadata.version(dist))
-            except metadata.PackageNotFoundError:
-                out.append("?")
-        _versions = (out[0], out[1])
+        _versions = (_version("transformers"), _version("torch"))
     return _versions
+
+
+def _version(dist: str) -> str:
+    """The ``Version:`` of ``dist``'s ``*.dist-info/METADATA`` in the first ``sys.path`` entry
+    holding one (as :func:`importlib.metadata.version` finds it, without importing
+    ``importlib.metadata``: its ``email`` parser costs more CPU than a warm plan's check);
+    anything else (an ``.egg-info``, a custom finder) is left to ``importlib.metadata``."""
+    prefix = dist.lower() + "-"
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if name.lower().startswith(prefix) and name.endswith(".dist-info") and \
+                    "-" not in name[len(prefix):-len(".dist-info")]:
+                try:
+                    with open(os.path.join(entry or ".", name, "METADATA"),
+                              encoding="utf-8") as f:
+                        for line in f:
+                            if line.startswith("Version:"):
+                                return line[len("Version:"):].strip()
+                            if not line.strip():
+                                break
+                except OSError:
+                    pass
+                break
+        else:
+            continue
+        break
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "?"
 
 
 def digest(*parts: Any) -> str:

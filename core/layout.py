@@ -7,7 +7,8 @@ of which files hold which slice of it*. Shapes are in elements, offsets of files
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dtypes import ITEMSIZE
@@ -213,11 +214,26 @@ def coverage_problems(t: TensorInfo) -> list[Problem]:
     outside the tensor. Returns ``coverage-gap``/``coverage-overlap``/``piece-out-of-bounds``
     problems (empty when sound).
 
-    Called for every tensor when a layout is read and again when a merge is planned, so the
-    common case is a fast path: pieces that span every dim but the first (FSDP's ``Shard(0)``,
-    row splits) are checked with tuple comparisons and one sort (adjacent pieces only);
-    any other piece takes the general path (pairwise boxes when more than one dim is split).
-    Both give the same problems, in the same order."""
+    Called for every tensor when a layout is read and again when a merge is planned (tens of
+    thousands of pieces for a many-rank checkpoint), so: the answer is remembered on ``t``
+    with the very piece objects it was computed from (pieces are frozen; a list changed in
+    any way, a new shape or name, is checked again); and the common case is a fast path:
+    pieces that span every dim but the first (FSDP's ``Shard(0)``, row splits) are checked
+    with tuple comparisons and one sort (adjacent pieces only), any other piece takes the
+    general path (pairwise boxes when more than one dim is split). Same problems, same
+    order."""
+    pieces = tuple(t.pieces)
+    memo = t.__dict__.get("_coverage")
+    if memo is not None and memo[0] == (t.name, t.shape, t.flat) and len(memo[1]) == len(
+            pieces) and all(map(operator.is_, memo[1], pieces)):
+        return [replace(p) for p in memo[2]]  # fresh objects: callers may edit theirs
+    problems = _coverage_problems(t)
+    t.__dict__["_coverage"] = ((t.name, t.shape, t.flat), pieces,
+                                tuple(replace(p) for p in problems))
+    return problems
+
+
+def _coverage_problems(t: TensorInfo) -> list[Problem]:
     problems: list[Problem] = []
     shape = t.piece_shape
     ndim = len(shape)

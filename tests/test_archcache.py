@@ -206,3 +206,11 @@ def test_warm_merge_imports_no_transformers(fixtures_root, monkeypatch, tmp_path
     assert r.stdout.strip().splitlines()[-1] == "[]"
     for name in ("model.safetensors", "config.json"):  # the same output
         assert (tmp_path / "o0" / name).read_bytes() == (tmp_path / "o1" / name).read_bytes()
+
+
+def test_versions_are_those_importlib_metadata_reads():
+    from importlib import metadata
+
+    archcache._versions = None
+    assert archcache.versions() == (metadata.version("transformers"), metadata.version("torch"))
+    assert archcache._version("no-such-distribution-shardscope") == "?"
