@@ -81,9 +81,14 @@ def test_warm_plan_equals_cold_renamed_cut_and_tied(models_root, monkeypatch, tm
     cache, identical."""
     _, plan = _cold_then_warm(monkeypatch, tmp_path, models_root / family)
     assert plan[3]["ok"]
-    names = {t[0] for _, ts in plan[0] for t in ts}
-    sources = {t[3] for _, ts in plan[0] for t in ts}
-    assert names != sources or family == "t5"  # the renames/cuts really came through
+    tensors = [t for _, ts in plan[0] for t in ts]
+    names = {t[0] for t in tensors}
+    if family == "qwen2_5_vl":  # the renames, cuts and aliases really came through the cache
+        assert any(t[0] != t[3] for t in tensors)
+    elif family == "qwen3_moe":
+        assert any("cut from" in t[4] for t in tensors)
+    else:
+        assert "shared.weight" in names and "encoder.embed_tokens.weight" not in names
 
 
 def test_warm_plan_equals_cold_megatron_derived_config(megatron_root, monkeypatch, tmp_path):
