@@ -171,8 +171,9 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -
     (``Tensor.copy_`` into a reused buffer: the kernel ``Tensor.to`` runs, so the bits are
     ``.to()``'s: round to nearest even, NaN kept NaN; torch/aten/src/ATen/native/Copy.cpp).
     torch is imported for it (a cold plan imports it anyway for the architecture check; a
-    warm one, core/archcache.py, does not: then the cast pays the import); its vectorised loop casts at memory speed where numpy's bit steps took 1.6x
-    (bf16) and 3.4x (fp16) the keep-dtype merge. One intra-op thread per worker thread (an
+    warm one, core/archcache.py, does not: then the cast pays the import); its vectorised
+    loop casts at memory speed where numpy's bit steps took 1.6x (bf16) and 3.4x (fp16) the
+    keep-dtype merge. One intra-op thread per worker thread (an
     OpenMP setting of the calling thread, restored after): the workers are the parallelism."""
     import warnings
 
