@@ -8,7 +8,8 @@ imports (``import transformers`` and the model's module) against milliseconds of
 small model. Each answer is stored as one JSON file, named by a SHA-256 of everything it
 depends on:
 
-- :data:`SCHEMA` (shardscope's own: bump it when what is stored or how it is derived changes);
+- :data:`SCHEMA` (shardscope's own: bump it when what is stored or how it is derived
+  changes) and a digest of the source of the modules that derive it (:data:`CODE`);
 - the installed ``transformers`` and ``torch`` versions, read from their ``METADATA`` as
   :func:`importlib.metadata.version` does (no import);
 - the config: the canonical JSON of ``config.json`` (keys sorted) or of the derived fields
@@ -120,8 +121,31 @@ def config_key(config_dir: str | None, config_fields: dict | None,
         raw = config_fields
     if not isinstance(raw, dict) or raw.get("auto_map"):
         return None
-    return digest(SCHEMA, versions(), "dir" if config_dir is not None else "fields", raw,
-                  bool(trust))
+    return digest(SCHEMA, _code(), versions(), "dir" if config_dir is not None else "fields",
+                  raw, bool(trust))
+
+
+_code_digest: str | None = None
+#: shardscope's own modules whose code decides what an entry holds
+CODE = ("archcache.py", "judge.py", "hf_names.py", "dtypes.py")
+
+
+def _code() -> str:
+    """A digest of :data:`CODE`'s source: an edited checkout (a fix in how the renames are
+    traced) misses the entries an older one wrote, even without a :data:`SCHEMA` bump (``?``
+    when a source cannot be read, e.g. a zip import: then :data:`SCHEMA` alone)."""
+    global _code_digest
+    if _code_digest is None:
+        h = hashlib.sha256()
+        try:
+            for name in CODE:
+                with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name),
+                          "rb") as f:
+                    h.update(f.read())
+            _code_digest = h.hexdigest()
+        except OSError:
+            _code_digest = "?"
+    return _code_digest
 
 
 def _path(key: str) -> str | None:

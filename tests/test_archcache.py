@@ -114,14 +114,18 @@ def test_changed_config_value_misses(fixtures_root, monkeypatch, tmp_path):
         _plan(src, tmp_path / "o2", hf_config=str(cfg))
 
 
-def test_other_transformers_version_misses(fixtures_root, monkeypatch, tmp_path):
+@pytest.mark.parametrize("what", ["transformers", "shardscope code"])
+def test_other_transformers_version_misses(fixtures_root, monkeypatch, tmp_path, what):
     src = fixtures_root / "w2-qwen2-f32"
     cache = tmp_path / "cache"
     _fresh(monkeypatch, cache)
     _plan(src, tmp_path / "o1")
     n = len(_entries(cache))
     _fresh(monkeypatch, cache)
-    monkeypatch.setattr(archcache, "_versions", ("0.0.1-other", archcache.versions()[1]))
+    if what == "transformers":
+        monkeypatch.setattr(archcache, "_versions", ("0.0.1-other", archcache.versions()[1]))
+    else:  # e.g. a fix in how hf_names traces the renames
+        monkeypatch.setattr(archcache, "_code_digest", "0" * 64)
     with monkeypatch.context() as m:
         _no_transformers(m)
         with pytest.raises(AssertionError, match="asked transformers"):
