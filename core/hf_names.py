@@ -26,6 +26,9 @@ box (a reshape that mixes dims, an interleave) is refused, naming the model and 
 a wrong tensor.
 
 torch and transformers are imported inside functions: plain ``inspect`` never loads them.
+What :func:`saved_mapping` learns from the model for a set of names, shapes and dtypes (the
+:class:`SaveForm`) is kept on disk (:mod:`core.archcache`), so a later merge of the same
+model plans without importing them at all.
 """
 
 from __future__ import annotations

@@ -30,6 +30,11 @@ checkpoint as ``inspect --check`` sees it), :class:`Verdict`, :func:`meta_model`
 class chosen by these rules for a checkpoint's in-memory names, built once on the meta device
 and shared with :mod:`core.hf_names`, which traces save_pretrained's renames on it). torch and
 transformers are imported inside functions only.
+
+The classes tried and each class's :class:`Expected` are also kept on disk
+(:mod:`core.archcache`, keyed by the config's JSON, the installed transformers and torch
+versions and this code), so a later process judges the same config without importing
+transformers.
 """
 
 from __future__ import annotations
