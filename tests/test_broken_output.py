@@ -50,3 +50,31 @@ def test_unreadable_config_file_blames_the_source(fixtures_root, tmp_path):
         run_merge(plan)
     assert e.value.path == victim and "cannot copy" in str(e.value)
     assert not (tmp_path / "out").exists() and _no_leftovers(tmp_path)
+
+
+def test_two_checkpoints_in_one_folder(fixtures_root, tmp_path):
+    """Rank files and a model.safetensors (or a DCP save) in one folder: `inspect` said "no
+    problems found" about one of them, never mentioning the other, and naming the other's
+    file as PATH still read the first one ("reading the whole checkpoint folder")."""
+    import shutil
+
+    src = shutil.copytree(fixtures_root / "w2-qwen2-f32", tmp_path / "ck")
+    shutil.copy(fixtures_root / "w2-qwen2-f32.reference" / "model.safetensors", src)
+    layout = detect(src)
+    assert layout.format.startswith("fsdp")
+    [p] = [p for p in layout.problems if p.code == "several-checkpoints"]
+    assert p.severity == "warning" and Path(p.path).name == "model.safetensors"
+    other = detect(src / "model.safetensors")  # the file named is the checkpoint read
+    assert other.format == "hf" and [f.path for f in other.files] == [
+        str(src / "model.safetensors")]
+    assert {Path(p.path).name for p in other.problems if p.code == "several-checkpoints"} == {
+        "model_world_size_2_rank_0.pt"}
+    # one rank file is also a single .pt state dict: the same file, not a second checkpoint
+    assert not [p for p in detect(fixtures_root / "w1-fsdp2").problems
+                if p.code == "several-checkpoints"]
+    dcp = shutil.copytree(fixtures_root / "w2-dcp", tmp_path / "dcp")
+    for f in (fixtures_root / "w2-qwen2-f32").glob("model_world_size_*"):
+        shutil.copy(f, dcp)
+    assert {(p.code, Path(p.path).name) for p in detect(dcp).problems} >= {
+        ("several-checkpoints", "model_world_size_2_rank_0.pt")}
+    assert detect(dcp / "model_world_size_2_rank_1.pt").format.startswith("fsdp")
