@@ -78,3 +78,33 @@ def test_two_checkpoints_in_one_folder(fixtures_root, tmp_path):
     assert {(p.code, Path(p.path).name) for p in detect(dcp).problems} >= {
         ("several-checkpoints", "model_world_size_2_rank_0.pt")}
     assert detect(dcp / "model_world_size_2_rank_1.pt").format.startswith("fsdp")
+
+
+def test_verify_is_not_ok_over_a_folder_missing_a_tensor(fixtures_root, tmp_path, capsys):
+    """A merged folder that lost a tensor the model needs (a tool rewrote model.safetensors
+    without it) was `ok` (exit 0) under `verify` without --reference: from_pretrained would
+    initialise that tensor randomly. Also one of another shape; an extra tensor only warns."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from shardscope.tui.cli import main
+
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    assert main(["verify", str(ref)]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [f"ok {ref}"]
+    for name, edit, rc, code in [
+            ("missing", lambda sd: sd.pop("model.norm.weight"), 1, "architecture-mismatch"),
+            ("shape", lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"][:3]}),
+             1, "architecture-mismatch"),
+            ("extra", lambda sd: sd.update({"model.extra.weight": sd["model.norm.weight"]}),
+             0, "architecture-extra")]:
+        out = shutil.copytree(ref, tmp_path / name)
+        sd = load_file(out / "model.safetensors")
+        edit(sd)
+        save_file({k: v.clone() for k, v in sd.items()}, out / "model.safetensors",
+                  metadata={"format": "pt"})
+        assert main(["verify", str(out)]) == rc, name
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert code in lines[0] and "model." in lines[0], lines
+        assert not any(line.startswith("ok ") for line in lines), lines
