@@ -108,3 +108,29 @@ def test_verify_is_not_ok_over_a_folder_missing_a_tensor(fixtures_root, tmp_path
         lines = capsys.readouterr().out.strip().splitlines()
         assert code in lines[0] and "model." in lines[0], lines
         assert not any(line.startswith("ok ") for line in lines), lines
+
+
+def test_truncated_shard_of_a_sharded_folder_is_one_problem(fixtures_root, tmp_path):
+    """A shard of a sharded Hugging Face folder cut by one byte: besides `truncated-file`,
+    `inspect` listed an `index-mismatch` ("X is not in <shard>") for every tensor of that
+    shard, blaming the index for the truncation; and an index entry's missing shard name read
+    "the index says None"."""
+    import json
+    import shutil
+
+    out = tmp_path / "hf"
+    run_merge(plan_merge(detect(fixtures_root / "w2-qwen2-f32"),
+                         MergeOptions(str(out), max_shard_size=200_000)))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2
+    cut = shutil.copytree(out, tmp_path / "cut")
+    f = cut / shards[1]
+    f.write_bytes(f.read_bytes()[:-1])
+    probs = detect(cut).problems
+    assert [(p.code, Path(p.path).name) for p in probs] == [("truncated-file", shards[1])], probs
+    first = sorted(index["weight_map"])[0]
+    del index["weight_map"][first]
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    [p] = detect(out).problems
+    assert p.code == "index-mismatch" and p.message.endswith("the index does not name it")
