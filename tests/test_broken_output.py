@@ -134,3 +134,15 @@ def test_truncated_shard_of_a_sharded_folder_is_one_problem(fixtures_root, tmp_p
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     [p] = detect(out).problems
     assert p.code == "index-mismatch" and p.message.endswith("the index does not name it")
+
+
+def test_base_model_that_does_not_exist_or_is_a_sharded_checkpoint(fixtures_root, tmp_path):
+    """--base-model naming a missing folder said "is not a Hugging Face model folder (no
+    config.json)"; naming a sharded checkpoint said the same, not what it is."""
+    from shardscope.core.errors import UsageError
+    from shardscope.core.plan import _base_model
+
+    with pytest.raises(UsageError, match="no such folder"):
+        _base_model(str(tmp_path / "nope"))
+    with pytest.raises(UsageError, match="it is a fsdp.* checkpoint; merge it first"):
+        _base_model(str(fixtures_root / "w2-qwen2-f32"))
