@@ -146,3 +146,22 @@ def test_base_model_that_does_not_exist_or_is_a_sharded_checkpoint(fixtures_root
         _base_model(str(tmp_path / "nope"))
     with pytest.raises(UsageError, match="it is a fsdp.* checkpoint; merge it first"):
         _base_model(str(fixtures_root / "w2-qwen2-f32"))
+
+
+def test_a_rank_file_copied_under_another_ranks_name(fixtures_root, tmp_path):
+    """rank 0's file copied as rank 1's (a restore or transfer gone wrong): the merge refused
+    with "model.embed_tokens.weight: pieces hold 10624 of 21184 elements", naming rank 0's
+    file, 27 coverage gaps and no word of the copy. Now one `duplicate-rank` error names the
+    copy and whose shards it holds; an HSDP set (replicas at other coordinates) is sound."""
+    import shutil
+
+    src = shutil.copytree(fixtures_root / "w3-llama-f32", tmp_path / "ck")
+    shutil.copy(src / "model_world_size_3_rank_0.pt", src / "model_world_size_3_rank_2.pt")
+    layout = detect(src)
+    assert [(p.code, Path(p.path).name) for p in layout.errors] == [
+        ("duplicate-rank", "model_world_size_3_rank_2.pt")], layout.errors
+    assert "rank 0's file (model_world_size_3_rank_0.pt)" in layout.errors[0].message
+    with pytest.raises(BadCheckpointError, match="duplicate|same shards as rank 0"):
+        plan_merge(layout, MergeOptions(str(tmp_path / "out")))
+    for name in ("w4-hsdp", "w4-hsdp-other-names", "w2-fsdp1", "w3-buffers"):
+        assert not detect(fixtures_root / name).errors, name
