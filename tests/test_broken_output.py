@@ -11,6 +11,7 @@ import pytest
 
 from shardscope.core import MergeOptions, detect, plan_merge, run_merge
 from shardscope.core.errors import BadCheckpointError, OutputWriteError
+from test_deepspeed import ds_root  # noqa: F401 - the fixture
 
 
 def _no_leftovers(folder: Path) -> bool:
@@ -165,3 +166,19 @@ def test_a_rank_file_copied_under_another_ranks_name(fixtures_root, tmp_path):
         plan_merge(layout, MergeOptions(str(tmp_path / "out")))
     for name in ("w4-hsdp", "w4-hsdp-other-names", "w2-fsdp1", "w3-buffers"):
         assert not detect(fixtures_root / name).errors, name
+
+
+def test_deepspeed_latest_naming_a_missing_step(ds_root, tmp_path):
+    """A DeepSpeed folder whose `latest` names a step folder that is not there (deleted or not
+    copied) was "not a checkpoint itself; these folders inside it are: global_step0/": now
+    `latest` is named with the tag it holds; the step folder itself still reads."""
+    import shutil
+
+    src = shutil.copytree(ds_root / "ds-z2-w2", tmp_path / "ds")
+    (src / "latest").write_text("global_step99")
+    with pytest.raises(BadCheckpointError) as e:
+        detect(src)
+    assert e.value.path == str(src / "latest")
+    assert "'global_step99', which is missing" in e.value.message
+    assert "global_step0/" in e.value.message
+    assert not detect(src / "global_step0").errors
