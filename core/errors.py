@@ -46,6 +46,14 @@ class OutputExistsError(UsageError):
     """The output folder exists and ``overwrite`` was not given."""
 
 
+class OutputWriteError(UsageError):
+    """A file of the output cannot be written (disk full, quota, read-only file system, file
+    size limit): the output's problem, never the checkpoint's (exit code 2). ``path`` is the
+    output folder; the message names the file inside it and the system's reason."""
+
+    code = "output-not-writable"
+
+
 class MergeCancelled(ShardscopeError):
     """The merge was cancelled through its ``threading.Event``; nothing was left at the output."""
 

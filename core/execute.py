@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from .dtypes import ITEMSIZE
-from .errors import BadCheckpointError, MergeCancelled, UsageError
+from .errors import BadCheckpointError, MergeCancelled, OutputWriteError, UsageError
 from .layout import Piece
 from .plan import MergePlan, OutputTensor, check_output
 
@@ -152,7 +152,11 @@ def _pread_exact(fd: int, n: int, offset: int, path: str, buf=None) -> bytearray
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = os.preadv(fd, [view[got:got + COPY_CHUNK]], offset + got)
+        try:
+            k = os.preadv(fd, [view[got:got + COPY_CHUNK]], offset + got)
+        except OSError as e:  # EIO from a bad disk: the checkpoint's file, named
+            raise BadCheckpointError(f"cannot read at byte {offset + got}: {e.strerror}",
+                                     path) from None
         if k <= 0:
             raise BadCheckpointError(f"short read at byte {offset + got}: the file changed or is "
                                      "truncated", path)
@@ -210,10 +214,57 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of the output file ``fd``; a failure (disk full,
+    quota, file size limit) is the output's: :class:`OutputWriteError` (its path is filled in
+    by :func:`_writing`)."""
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
-        done += os.pwrite(fd, view[done:done + COPY_CHUNK], offset + done)
+        try:
+            done += os.pwrite(fd, view[done:done + COPY_CHUNK], offset + done)
+        except OSError as e:
+            raise OutputWriteError(e.strerror or str(e)) from None
+
+
+class _writing:
+    """Context for writing the output file ``rel`` of the output folder ``out``: an
+    ``OSError`` there (ENOSPC, EDQUOT, EFBIG, EROFS, EIO) becomes one
+    :class:`OutputWriteError` naming ``out`` and ``rel`` (exit 2: the checkpoint is not to
+    blame; the temporary folder is removed by :func:`run_merge`)."""
+
+    def __init__(self, out: Path, rel: str):
+        self.out, self.rel = out, rel
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        if isinstance(exc, OutputWriteError) and exc.path is None:
+            raise OutputWriteError(f"cannot write {self.rel}: {exc.message}; nothing was "
+                                   "written", str(self.out)) from None
+        if isinstance(exc, OSError) and (exc.filename is None or TMP_MARK in str(exc.filename)):
+            raise OutputWriteError(f"cannot write {self.rel}: {exc.strerror or exc}; nothing "
+                                   "was written", str(self.out)) from None
+        return False
+
+
+def _copy_into(src: str, dst: Path, out: Path, rel: str) -> None:
+    """Copy the checkpoint's file ``src`` to ``dst`` (the output's ``rel``): a failure to read
+    blames ``src`` (:class:`BadCheckpointError`), a failure to write the output
+    (:class:`OutputWriteError`)."""
+    try:
+        fin = open(src, "rb")
+    except OSError as e:
+        raise BadCheckpointError(f"cannot copy: {e.strerror}", src) from None
+    with fin, _writing(out, rel), open(dst, "wb") as fout:
+        while True:
+            try:
+                chunk = fin.read(1 << 20)
+            except OSError as e:
+                raise BadCheckpointError(f"cannot copy: {e.strerror}", src) from None
+            if not chunk:
+                break
+            fout.write(chunk)
 
 
 def _copy_range(src: int, dst: int, n: int, src_off: int, dst_off: int, path: str) -> None:
@@ -506,40 +557,47 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
                 fpath = tmp / of.name
                 fpath.parent.mkdir(parents=True, exist_ok=True)
                 header = safetensors_header(of.tensors)
-                fd = os.open(fpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    os.write(fd, header)
-                    os.ftruncate(fd, len(header) + of.nbytes)
-                    pos = len(header)
-                    futures = []
-                    for t in of.tensors:
-                        futures.append(pool.submit(w.write_tensor, t, fd, pos, of.name))
-                        pos += t.nbytes
-                        # bound memory: at most ~2 tensors per worker in flight
-                        if len(futures) >= 2 * max(1, opts.workers):
-                            _drain(futures, cancel, keep=max(1, opts.workers))
-                    _drain(futures, cancel, keep=0)
-                finally:
-                    os.close(fd)
+                with _writing(out, of.name):
+                    fd = os.open(fpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    try:
+                        _pwrite_all(fd, header, 0)
+                        os.ftruncate(fd, len(header) + of.nbytes)
+                        pos = len(header)
+                        futures = []
+                        for t in of.tensors:
+                            futures.append(pool.submit(w.write_tensor, t, fd, pos, of.name))
+                            pos += t.nbytes
+                            # bound memory: at most ~2 tensors per worker in flight
+                            if len(futures) >= 2 * max(1, opts.workers):
+                                _drain(futures, cancel, keep=max(1, opts.workers))
+                        _drain(futures, cancel, keep=0)
+                    finally:
+                        os.close(fd)
                 written.append((of.name, len(header) + of.nbytes))
                 if log:
                     log(f"closed {of.name} ({len(header) + of.nbytes} bytes)")
         if plan.index is not None:
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps(plan.index, indent=2) + "\n")
+            with _writing(out, "model.safetensors.index.json"):
+                (tmp / "model.safetensors.index.json").write_text(
+                    json.dumps(plan.index, indent=2) + "\n")
         for rel, data in plan.generated.items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / rel).write_bytes(data)
+            with _writing(out, rel):
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(data)
         for src, rel in plan.copy_files:
             dst = tmp / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                if rel == "config.json" and plan.config_dtype:
-                    _write_config_dtype(src, dst, plan.config_dtype)
-                else:
-                    shutil.copyfile(src, dst)
-            except OSError as e:
-                raise BadCheckpointError(f"cannot copy: {e.strerror}", src) from None
+            with _writing(out, rel):
+                dst.parent.mkdir(parents=True, exist_ok=True)
+            if rel == "config.json" and plan.config_dtype:
+                try:
+                    text = Path(src).read_text()
+                except (OSError, UnicodeDecodeError) as e:
+                    raise BadCheckpointError(f"cannot copy: {getattr(e, 'strerror', None) or e}",
+                                             src) from None
+                with _writing(out, rel):
+                    _write_config_dtype(text, dst, plan.config_dtype)
+            else:
+                _copy_into(src, dst, out, rel)
             if log:
                 log(f"copied {rel}")
         if checker is not None:
@@ -559,15 +617,15 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
                        plan.tensor_count, warnings, len(crc_records), unchecked)
 
 
-def _write_config_dtype(src: str, dst: Path, dtype: str) -> None:
-    """Copy config.json with its ``dtype``/``torch_dtype`` set to the cast dtype, so
-    ``from_pretrained`` loads the model in the dtype it was written in."""
+def _write_config_dtype(text: str, dst: Path, dtype: str) -> None:
+    """Write config.json (its text ``text``) with its ``dtype``/``torch_dtype`` set to the
+    cast dtype, so ``from_pretrained`` loads the model in the dtype it was written in."""
     try:
-        cfg = json.loads(Path(src).read_text())
+        cfg = json.loads(text)
     except ValueError:
         cfg = None
     if not isinstance(cfg, dict):  # not ours to fix: copy it as it is
-        shutil.copyfile(src, dst)
+        dst.write_text(text)
         return
     for key in ("dtype", "torch_dtype"):
         if key in cfg or key == "dtype":

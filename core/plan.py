@@ -4,6 +4,8 @@ come from. Knows Hugging Face naming and options; reads no tensor data."""
 
 from __future__ import annotations
 
+import json
+
 import math
 import operator
 import os
@@ -307,6 +309,8 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     base_layout = None
     if lora is not None and lora.lora_only:  # the base weights come from --base-model
         base_layout = _base_model(options.base_model)
+        if layout.config_dir is not None:
+            _same_model(layout.config_dir, options.base_model)
         sources.update(base_layout.tensors)
         if config_dir is None and not options.hf_config:
             config_dir, copy = options.base_model, config_files(options.base_model)
@@ -623,12 +627,54 @@ def lora_choice(layout: CheckpointLayout, options: MergeOptions):
     return lora, adapter
 
 
+#: config.json fields that fix a model's tensors (names, shapes, tying): a base model whose
+#: config disagrees with the checkpoint's own on one of them is another model
+MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "tie_word_embeddings", "attention_bias", "num_experts", "num_local_experts",
+                "moe_intermediate_size", "text_config", "vision_config")
+
+
+def _same_model(config_dir: str, base: str) -> None:
+    """Refuse ``--base-model`` when its config.json describes another model than the
+    checkpoint's own config folder (``huggingface/``, saved from the base the adapter was
+    trained on): another family, size or tying would otherwise surface as a bare "weights do
+    not match the model" refusal, or worse. Fields absent from either side are not compared
+    (their defaults belong to the class). Raises :class:`UsageError` naming the differences."""
+
+    def load(d):
+        try:
+            cfg = json.loads(Path(d, "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return cfg if isinstance(cfg, dict) else None
+
+    mine, theirs = load(config_dir), load(base)
+    if mine is None or theirs is None:
+        return  # a bad or missing config is reported where it is read
+    diff = [f"{k} {theirs[k]!r}, not {mine[k]!r}" for k in MODEL_FIELDS
+            if k in mine and k in theirs and mine[k] != theirs[k]]
+    if diff:
+        raise UsageError(
+            f"is another model than the one this adapter was trained on: its config.json has "
+            + "; ".join(diff[:4]) + (f" (and {len(diff) - 4} more)" if len(diff) > 4 else "")
+            + f", against {Path(config_dir, 'config.json')}", base)
+
+
 def _base_model(path: str):
     """The layout of ``--base-model`` (a Hugging Face folder of the base weights)."""
     from .formats import detect
 
+    if not Path(path).exists():
+        raise UsageError("no such folder (--base-model)", path)
     if not Path(path, "config.json").is_file():
-        raise UsageError("is not a Hugging Face model folder (no config.json)", path)
+        try:
+            fmt = detect(path).format
+        except (BadCheckpointError, OSError):
+            fmt = None
+        raise UsageError("is not a Hugging Face model folder (no config.json)" + (
+            f": it is a {fmt} checkpoint; merge it first and pass the merged folder"
+            if fmt not in (None, "hf", "hf-bin") else ""), path)
     base = detect(path)
     if base.format not in ("hf", "hf-bin"):
         raise UsageError(f"is a {base.format} checkpoint, not a Hugging Face model folder",

@@ -47,6 +47,34 @@ def verify_folder(path: str) -> list[Problem]:
     return problems
 
 
+def architecture_problems(path: str, trust_remote_code: bool = False) -> list[Problem]:
+    """The merged folder ``path`` against the model class of its own ``config.json`` (the
+    architecture check a merge makes, :func:`core.judge.check_layout`): a tensor the model
+    needs that is missing, or one of another shape, is an ``architecture-mismatch`` error
+    (``from_pretrained`` would leave it randomly initialised or fail); extra tensors or another
+    dtype kind are an ``architecture-extra`` warning (``from_pretrained`` drops or casts
+    them); a check that cannot be made is an ``architecture-unchecked`` warning naming why.
+    Empty when there is no config.json (``verify_folder`` reports that) or all matches.
+    Imports transformers (the model is built on the meta device: no weights)."""
+    from .formats import detect
+    from .judge import check_layout
+
+    if not (Path(path) / "config.json").is_file():
+        return []
+    layout = detect(path)
+    if layout.errors:
+        return []  # verify_folder lists them; nothing to judge
+    verdict = check_layout(layout, None, trust_remote_code)
+    cfg = str(Path(path) / "config.json")
+    if verdict.skipped is not None:
+        return [Problem("architecture-unchecked", verdict.summary(), cfg, "warning")]
+    if verdict.ok:
+        return []
+    bad = verdict.missing or verdict.shape
+    return [Problem("architecture-mismatch" if bad else "architecture-extra", verdict.summary(),
+                    cfg, "error" if bad else "warning")]
+
+
 def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
             on_tensor=None) -> list[Difference]:
     """Compare the tensors of the checkpoint at ``path`` with those at ``reference`` (any

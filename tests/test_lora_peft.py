@@ -200,17 +200,25 @@ def test_adapter_only_checkpoint_needs_the_base_model(lora_root, tmp_path):
 
 
 def test_adapter_only_refuses_a_base_model_of_other_shapes(lora_root, tmp_path):
-    """A base model whose weights do not fit the adapter is refused: by the architecture check
-    (the base does not fit the checkpoint's config), and, with --no-strict, by the fold,
-    naming the module."""
+    """A base model whose weights do not fit the adapter is refused: by its config (another
+    model than the checkpoint's huggingface/config.json: exit 2 naming the fields, even with
+    --no-strict), and a base whose config was made to agree by that config's check against its
+    own weights (exit 3)."""
+    other = lora_root / "w2-lora-embed.reference"
+    for extra in ((), ("--no-strict",)):
+        r = cli("merge", lora_root / "w2-lora-only", "-o", tmp_path / "o", "--lora", "fold",
+                "--base-model", other, *extra)
+        assert r.returncode == 2 and "another model than the one this adapter was trained on" \
+            in r.stderr and "hidden_size 32, not 40" in r.stderr, r.stderr
+        assert not (tmp_path / "o").exists()
+    base = shutil.copytree(other, tmp_path / "base")
+    shutil.copy(lora_root / "w2-lora-only" / "huggingface" / "config.json", base)
     args = ("merge", lora_root / "w2-lora-only", "-o", tmp_path / "o", "--lora", "fold",
-            "--base-model", lora_root / "w2-lora-embed.reference")
-    r = cli(*args)
-    assert r.returncode == 3 and "do not match the model" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
-    r = cli(*args, "--no-strict")
-    assert r.returncode == 3 and "self_attn" in r.stderr and "Traceback" not in r.stderr
-    assert not (tmp_path / "o").exists()
+            "--base-model", base)
+    for extra in ((), ("--no-strict",)):  # the base's own config against its weights
+        r = cli(*args, *extra)
+        assert r.returncode == 3 and "config.json says hidden_size 40" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
 
 
 def test_lora_on_expert_parameters_is_refused_by_name_and_base_strips_every_wrapper(

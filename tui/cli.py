@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="absolute tolerance (default 0: bit-exact)")
     v.add_argument("--rtol", type=float, default=0.0,
                    help="relative tolerance (default 0: bit-exact)")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="let the check of the weights against the config's model build a "
+                        "class that only the folder's own code defines (runs that code)")
 
     d = sub.add_parser("diff", help="compare two checkpoints of any formats, tensor by tensor "
                                     "(exit 0 identical, 1 different)")
@@ -654,6 +657,12 @@ def cmd_verify(args) -> int:
     problems = verify_folder(args.path)
     if problems and problems[0].code == "not-hf-folder":
         raise BadCheckpointError(problems[0].message, args.path)
+    if not any(p.severity == "error" for p in problems):
+        # the weights against the model of the config: "ok" over a folder missing a tensor
+        # the model needs would be a lie (from_pretrained initialises it randomly)
+        from shardscope.core.verify import architecture_problems
+
+        problems += architecture_problems(args.path, args.trust_remote_code)
     for p in problems:
         color = "red" if p.severity == "error" else "yellow"
         console.print(f"[{color}]{p.severity}: {p.code}[/] {p.path or ''}: {p.message}",

@@ -38,23 +38,42 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
     if p.is_file():
         p = p.parent
     _wrong_folder(p)
-    for _, mod in _readers():
-        if mod.sniff(str(p)) or (mod.__name__.endswith(".hf_bin") and mod.sniff(str(given))):
-            if mod.__name__.endswith(".deepspeed"):
-                layout = mod.read(str(p), weights=deepspeed_weights, hf_config=hf_config)
-            elif mod.__name__.endswith((".megatron_dist", ".megatron_legacy")):
-                layout = mod.read(str(p), hf_config=hf_config)
-            elif mod.__name__.endswith(".hf_bin") and given.is_file() and not mod.is_folder(p):
-                layout = mod.read(str(given))  # the single state-dict file asked for
-            else:
-                layout = mod.read(str(p))
-            if mod.__name__.endswith(".dcp") and not layout.tensors:
-                _optimizer_folder(p)
-            _files_inside(layout, p)
-            if given.is_file() and Path(layout.path).resolve() != given.resolve():
-                layout.notes.insert(0, f"reading the whole checkpoint folder {layout.path} "
-                                       f"that this file ({given.name}) belongs to")
-            return finish_layout(layout, hf_config)
+
+    def read(mod) -> CheckpointLayout:
+        if mod.__name__.endswith(".deepspeed"):
+            return mod.read(str(p), weights=deepspeed_weights, hf_config=hf_config)
+        if mod.__name__.endswith((".megatron_dist", ".megatron_legacy")):
+            return mod.read(str(p), hf_config=hf_config)
+        if mod.__name__.endswith(".hf_bin") and given.is_file() and not mod.is_folder(p):
+            return mod.read(str(given))  # the single state-dict file asked for
+        return mod.read(str(p))
+
+    found = [(name, mod) for name, mod in _readers()
+             if mod.sniff(str(p)) or (mod.__name__.endswith(".hf_bin") and mod.sniff(str(given)))]
+    if found:
+        name, mod = found[0]
+        layout = read(mod)
+        others = found[1:]
+        if given.is_file() and given.resolve() not in _weight_files(layout):
+            # a folder holding two checkpoints, and the user named a file of the second one:
+            # read that one, never the first reader's checkpoint in its place
+            for i, (oname, omod) in enumerate(others):
+                try:
+                    olayout = read(omod)
+                except (BadCheckpointError, OSError):
+                    continue
+                if given.resolve() in _weight_files(olayout):
+                    others = [(name, mod)] + others[:i] + others[i + 1:]
+                    name, mod, layout = oname, omod, olayout
+                    break
+        if mod.__name__.endswith(".dcp") and not layout.tensors:
+            _optimizer_folder(p)
+        _files_inside(layout, p)
+        if given.is_file() and Path(layout.path).resolve() != given.resolve():
+            layout.notes.insert(0, f"reading the whole checkpoint folder {layout.path} "
+                                   f"that this file ({given.name}) belongs to")
+        _other_checkpoints(layout, others, read)
+        return finish_layout(layout, hf_config)
     if given.is_file():
         raise BadCheckpointError("not a checkpoint file (expected a folder, .pt/.bin/"
                                  ".safetensors)", str(given), code="not-a-checkpoint")
@@ -68,6 +87,41 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
         "pytorch_model_fsdp_*_rank*.bin, shard-*-model-*.safetensors, model.safetensors, "
         "pytorch_model.bin, a single .pt/.pth)",
         str(given), code="not-a-checkpoint")
+
+
+def _weight_files(layout: CheckpointLayout) -> set[Path]:
+    """The resolved files a layout reads: its shard files and the files its pieces lie in."""
+    files = {f.path for f in layout.files}
+    for t in layout.tensors.values():
+        files.update(pc.file for pc in t.pieces)
+    return {Path(f).resolve() for f in files if f}
+
+
+def _other_checkpoints(layout: CheckpointLayout, others, read) -> None:
+    """Another checkpoint in the same folder (rank files beside a ``model.safetensors``, a DCP
+    save beside FSDP rank files, HF Trainer's ``model.safetensors`` beside DeepSpeed's
+    ``global_stepN/``): the readers ``others`` also recognised the folder; each that reads
+    files disjoint from ``layout``'s (not the same files under another reading, as Megatron's
+    torch_dist is DCP, or one rank file is a single .pt) adds a ``several-checkpoints``
+    warning naming what was read and what was not, and how to read the other one."""
+    from ..layout import Problem
+
+    mine = _weight_files(layout)
+    for name, mod in others:
+        try:
+            other = read(mod)
+        except (BadCheckpointError, OSError):
+            continue  # not a readable checkpoint: nothing to mix up
+        theirs = _weight_files(other)
+        if not theirs or theirs & mine:
+            continue
+        first = sorted(theirs)[0]
+        layout.problems.append(Problem(
+            "several-checkpoints",
+            f"this folder holds two checkpoints: read the {layout.format} one "
+            f"({len(mine)} file(s)); the {other.format} one ({len(theirs)} file(s), e.g. "
+            f"{first.name}) was not read: to read it, give one of its files as PATH",
+            str(first), "warning"))
 
 
 def finish_layout(layout: CheckpointLayout, hf_config: str | None = None) -> CheckpointLayout:

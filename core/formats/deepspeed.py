@@ -73,12 +73,23 @@ def _tag_dir(path: Path) -> Path | None:
     try:
         if _is_tag_dir(path):
             return path
+        stale = None
         for latest in (path / "latest", path / "latest_universal"):
             if latest.is_file():
-                d = contained(path, latest.read_text().strip(), latest.name, latest)
+                tag = latest.read_text().strip()
+                d = contained(path, tag, latest.name, latest)
                 if d.is_dir() and _is_tag_dir(d):
                     return d
-    except OSError:
+                if stale is None and not d.exists():
+                    stale = (latest, tag)
+        if stale is not None and any(_is_tag_dir(c) for c in path.iterdir() if c.is_dir()):
+            # a DeepSpeed folder whose `latest` names a step that is not here (deleted,
+            # not copied): say so, never "not a checkpoint"
+            steps = sorted(c.name + "/" for c in path.iterdir() if c.is_dir() and _is_tag_dir(c))
+            raise BadCheckpointError(
+                f"names {stale[1]!r}, which is missing; the step folders here: "
+                + ", ".join(steps) + " (give one of them as PATH)", str(stale[0]))
+    except (OSError, UnicodeDecodeError):
         return None
     return None
 

@@ -59,15 +59,20 @@ def read(path: str) -> CheckpointLayout:
                 continue
             seen[e.name] = name
             if weight_map is not None and weight_map.get(e.name) != name:
-                layout.problems.append(Problem("index-mismatch", f"{e.name} is in {name}, the "
-                                               f"index says {weight_map.get(e.name)}", fpath))
+                where = weight_map.get(e.name)
+                layout.problems.append(Problem("index-mismatch", f"{e.name} is in {name}, " + (
+                    f"the index says {where}" if where is not None
+                    else "the index does not name it"), fpath))
             t = TensorInfo(e.name, e.shape, e.dtype, "full")
             t.pieces.append(Piece(fpath, e.byte_offset, e.dtype, e.shape, _strides(e.shape),
                                   (0,) * len(e.shape), 0))
             layout.tensors[e.name] = t
     if weight_map is not None:
+        unreadable = {f.path for f in layout.files if f.status == "unreadable"}
         for k, v in weight_map.items():
-            if k not in seen and (root / v).is_file():
+            # a shard that cannot be read (truncated) has its own problem: its tensors are
+            # not "missing from it" as far as anyone knows
+            if k not in seen and (root / v).is_file() and str(root / v) not in unreadable:
                 layout.problems.append(Problem("index-mismatch", f"{k} is not in {v}",
                                                str(root / v)))
     attach_config(layout, root)
