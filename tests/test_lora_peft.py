@@ -272,3 +272,23 @@ def test_inspect_of_patterns_stays_free_of_torch(lora_root):
     summary, groups, imported = r.stdout.splitlines()
     assert imported == "[]" and "v_proj r=8 scale=3" in summary
     assert {"module": "k_proj", "r": 2, "scale": 8.0, "count": 3} in json.loads(groups)
+
+
+def test_inspect_shows_no_invented_scale_when_per_module_alpha_is_unknown(lora_root, tmp_path):
+    """Run metadata alone (one r and alpha) beside modules of other ranks: inspect gives each
+    group's rank but no scale (peft's would differ: v_proj has alpha 24 by alpha_pattern),
+    and warns why, naming what a fold needs; with the adapter's config the scales are peft's."""
+    ck = copy_checkpoint(lora_root / "w2-lora-patterns", tmp_path / "ck")
+    shutil.rmtree(ck / "lora_adapter")
+    layout = detect(ck)
+    summary = layout.lora.summary()
+    assert "scale=" not in summary and "each module's alpha unknown" in summary
+    assert "k_proj r=2, o_proj r=8, o_proj r=12, q_proj r=8, up_proj r=8, v_proj r=8" in summary
+    warn = [p for p in layout.problems if p.code == "lora-alpha-unknown"]
+    assert len(warn) == 1 and warn[0].severity == "warning" and "--lora-config" in warn[0].message
+    assert not layout.errors
+    r = cli("inspect", ck, "--json")
+    d = json.loads(r.stdout)
+    assert all(g["scale"] is None for g in d["lora"]["adapters"]["default"]["groups"])
+    assert "lora-alpha-unknown" in {p["code"] for p in d["problems"]}
+    assert "v_proj r=8 scale=3" in detect(lora_root / "w2-lora-patterns").lora.summary()
