@@ -123,8 +123,8 @@ class AdapterInfo:
         share a short name, rank and scale, in name order."""
         out: Counter = Counter()
         for m in self.modules:
-            try:
-                s = self.scale_for(m)
+            try:  # no scale shown where alpha is in doubt (never an invented one)
+                s = None if self.alpha_doubt else self.scale_for(m)
             except ValueError:
                 s = None
             short = re.sub(r"(\.base_layer)+$", "", m).rsplit(".", 1)[-1]  # nested wrappers
@@ -157,6 +157,9 @@ class LoraInfo:
         parts = []
         for a in self.adapters.values():
             alpha = "alpha unknown" if a.lora_alpha is None else f"alpha={a.lora_alpha:g}"
+            if a.alpha_doubt:  # one alpha recorded, but other ranks: per-module alpha unknown
+                alpha = (f"alpha={a.lora_alpha:g} in {a.alpha_source}, each module's alpha "
+                         "unknown")
             rs = ", rsLoRA" if a.use_rslora else ""
             dora = ", DoRA" if a.dora else ""
             groups = ", ".join(f"{g} r={r}" + ("" if s is None else f" scale={s:g}")
@@ -309,6 +312,11 @@ def detect_lora(names_shapes: dict[str, tuple[int, ...]], folder: str,
                 info.alpha_doubt = (
                     f"module ranks differ from r={info.r} of {meta[1]} (e.g. {odd[0]} has "
                     f"r={ranks[odd[0]]}: rank_pattern), which records no alpha_pattern")
+                problems.append(("lora-alpha-unknown", f"adapter {aname!r}: "
+                                 f"{info.alpha_doubt}, so each module's alpha and scale are "
+                                 "unknown; folding or exporting it needs the adapter's "
+                                 "adapter_config.json (--lora-config FILE), or --lora-alpha A "
+                                 "when one alpha holds for every module", "warning"))
         # LoRA on parameters: a wrapper whose base is not a module weight (ParamWrapper)
         targets = (c or {}).get("target_parameters") or []
         for mod in modules:

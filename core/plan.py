@@ -264,7 +264,9 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
         raise BadCheckpointError(f"{first.message}{more}{hint}; run `shardscope inspect"
                                  f"{' --deep' if deep else ''}` for the list",
                                  first.path or layout.path)
-    waived = [f"--no-strict, written anyway: {p.message}" for p in layout.errors]
+    # a diff side (writing=False) writes nothing: its waived problems are reported as they are
+    waived = [f"--no-strict, written anyway: {p.message}" if writing else p.message
+              for p in layout.errors]
     if not layout.tensors:
         raise BadCheckpointError("the checkpoint holds no model tensors", layout.path)
     target = None
@@ -367,7 +369,8 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
                 f"the weights do not match the model {verdict.architecture} of the config: "
                 + "; ".join(verdict.problems()) + f" ({verdict.matched}/{verdict.expected} "
                 "expected tensors match); pass --no-strict to write them anyway", layout.path)
-        warnings.append(f"--no-strict, written anyway: {verdict.summary()}")
+        warnings.append(f"--no-strict, written anyway: {verdict.summary()}" if writing
+                        else verdict.summary())
     elif verdict.note and verdict.named:  # the weights are another head than config.json names
         warnings.append(verdict.summary())
     source_bytes: dict[str, int] = {}

@@ -50,7 +50,7 @@ def model_card(plan, version: str) -> str:
     dtypes = sorted({t.dtype for f in plan.files for t in f.tensors})
     lora = "none in the checkpoint"
     if layout.lora is not None:
-        lora = f"{plan.options.lora} ({layout.lora.summary()})"
+        lora = f"{plan.options.lora} ({_lora_summary(plan)})"
     return f"""---
 library_name: transformers
 tags:
@@ -140,14 +140,37 @@ def provenance(plan) -> str:
     rs = ", rsLoRA" if adapter.use_rslora else ""
     shown = ", ".join(f"`{n}`" for n in folded[:6]) + (
         f" and {len(folded) - 6} more" if len(folded) > 6 else "")
+    groups = adapter.groups()
+    scales = {s for _, _, s, _ in groups}
+    if len(scales) == 1:
+        formula = f"W + (B @ A) * {scales.pop():g}"
+    else:  # rank_pattern / alpha_pattern: each module its own rank and scale (peft's scaling)
+        formula = ("W + (B @ A) * scale, each module with its own rank and scale (" + ", ".join(
+            f"{g} r={r} scale={s:g}" for g, r, s, _ in groups) + ")")
+    if adapter.dora:
+        formula += (", then DoRA's magnitude vector over the column norms of the sum (for "
+                    f"{len(adapter.dora)} module(s))")
     text = (f"The LoRA adapter `{adapter.name}` (r={adapter.r}, alpha={adapter.lora_alpha:g}"
-            f"{rs}) was folded into {len(folded)} weight(s): W + (B @ A) * {adapter.scale:g}, "
+            f"{rs}) was folded into {len(folded)} weight(s): {formula}, "
             "computed in float32 and rounded once to the weight's "
             f"{'output ' if cast else ''}dtype, as peft's merge_and_unload does, so these "
             f"differ from the base checkpoint's weights: {shown}. {copied}")
     if plan.options.lora == "both":
         text += f" The adapter is also written, unfolded, as a PEFT folder in {ADAPTER_DIR}/."
     return text
+
+
+def _lora_summary(plan) -> str:
+    """The LoRA row of the card: the adapters as merged, i.e. with ``--lora-config`` and
+    ``--lora-alpha`` applied (each module's rank and scale as folded), not as first detected."""
+    import dataclasses
+
+    from .plan import lora_choice
+
+    lora, adapter = lora_choice(plan.layout, plan.options)
+    if lora is None:
+        return plan.layout.lora.summary()
+    return dataclasses.replace(lora, adapters={**lora.adapters, adapter.name: adapter}).summary()
 
 
 def upload_files(folder: str) -> list[tuple[str, Path]]:

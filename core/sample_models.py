@@ -23,6 +23,7 @@ from pathlib import Path
 #: family -> (world size, dtype, seed)
 FAMILIES = {
     "qwen2_5_vl": (2, "F32", 50),
+    "qwen2_vl": (2, "F32", 55),
     "llava": (3, "F32", 51),
     "qwen3_moe": (3, "F32", 52),
     "mixtral": (2, "BF16", 53),
@@ -49,6 +50,15 @@ def tiny_config(family: str):
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
                                out_hidden_size=64, patch_size=14, spatial_merge_size=2,
                                temporal_patch_size=2, fullatt_block_indexes=[1]),
+            image_token_id=300, video_token_id=301, vision_start_token_id=302,
+            tie_word_embeddings=False)
+    if family == "qwen2_vl":
+        return AutoConfig.for_model(
+            "qwen2_vl", text_config=dict(text, num_hidden_layers=2, rope_scaling={
+                "type": "mrope", "mrope_section": [2, 2, 4]}),
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2,
+                               num_heads=2, patch_size=14, spatial_merge_size=2,
+                               temporal_patch_size=2),
             image_token_id=300, video_token_id=301, vision_start_token_id=302,
             tie_word_embeddings=False)
     if family == "llava":
@@ -85,6 +95,7 @@ def build_model(family: str, seed: int, dtype: str = "F32"):
     torch.manual_seed(seed)
     config = tiny_config(family)
     cls = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+           "qwen2_vl": "Qwen2VLForConditionalGeneration",
            "llava": "LlavaForConditionalGeneration", "qwen3_moe": "Qwen3MoeForCausalLM",
            "mixtral": "MixtralForCausalLM", "t5": "T5ForConditionalGeneration"}[family]
     model = getattr(transformers, cls)(config)
@@ -114,7 +125,7 @@ def _side_files(model, family: str, out: Path) -> None:
     if model.can_generate():
         model.generation_config.save_pretrained(out)
     tiny_tokenizer(VOCAB).save_pretrained(out)
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_5_vl", "qwen2_vl"):
         from transformers import Qwen2VLImageProcessor
 
         Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2

@@ -49,3 +49,36 @@ def test_card_without_lora_unchanged(fixtures_root, tmp_path):
     # then the architecture check's verdict, nothing about LoRA
     assert text.rstrip().endswith("Architecture check: matches Qwen2ForCausalLM: 27/27 tensors.")
     assert "LoRA adapter" not in text
+
+
+def test_card_row_shows_the_alpha_given_on_the_command_line(fixtures_root, tmp_path):
+    """The LoRA row of the card describes the adapter as folded (--lora-alpha applied), not
+    the alpha first recorded."""
+    text, _ = card(fixtures_root / "w2-lora-qv", tmp_path, lora="fold", lora_alpha=4)
+    assert "| LoRA | fold (default: r=8, alpha=4 on q_proj r=8 scale=0.5, v_proj r=8 " \
+           "scale=0.5 (" in text
+    assert "alpha=16" not in text and "scale=2" not in text
+
+
+def test_card_names_each_module_s_rank_and_scale(lora_root, tmp_path):
+    """rank_pattern/alpha_pattern (peft): the card gives each module group's own rank and
+    scale (the values test_lora_peft checks against peft's own modules), never one scale for
+    all; with the adapter's config passed by --lora-config, the row shows its alpha_pattern."""
+    import shutil
+
+    from conftest import copy_checkpoint
+
+    groups = ("k_proj r=2 scale=8, o_proj r=8 scale=2, o_proj r=12 scale=1.33333, q_proj r=8 "
+              "scale=2, up_proj r=8 scale=0.625, v_proj r=8 scale=3")
+    text, _ = card(lora_root / "w2-lora-patterns", tmp_path, lora="fold")
+    assert f"W + (B @ A) * scale, each module with its own rank and scale ({groups})," in text
+    assert "W + (B @ A) * 2," not in text
+    ck = copy_checkpoint(lora_root / "w2-lora-patterns", tmp_path / "ck")
+    shutil.move(ck / "lora_adapter", tmp_path / "cfg")
+    text, _ = card(ck, tmp_path, lora="fold", lora_config=str(tmp_path / "cfg"))
+    assert f"on {groups} (" in text and f"own rank and scale ({groups})," in text
+
+
+def test_card_of_a_dora_fold_says_so(lora_root, tmp_path):
+    text, _ = card(lora_root / "w3-lora-dora-bf16", tmp_path, lora="fold")
+    assert "W + (B @ A) * 2, then DoRA's magnitude vector over the column norms" in text

@@ -295,3 +295,45 @@ def test_ctrl_c_in_the_command_exits_130(fixtures_root, monkeypatch, capsys):
                  str(fixtures_root / "w2-qwen2-f32.reference"), "--json"])
     out, err = capsys.readouterr()
     assert code == 130 and "interrupted" in err and out == "" and len(seen) == 3
+
+
+def test_bin_folders_pt_files_and_float8_sides(formats_root, tmp_path, capsys):
+    """Sides of the kinds issue 17 lists beside the sharded ones: a sharded ``.bin`` folder and a
+    single ``.pt`` state dict (read by the restricted reader) against save_pretrained's folder;
+    a float8 FSDP2 run against its DCP save (extra buffers its model class lacks are reported
+    as such: a diff writes nothing, so never '--no-strict, written anyway'); a changed tensor
+    in a safetensors copy is named against the ``.bin`` folder."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from shardscope.tui.cli import main
+
+    def diff_json(*args):  # in this process: transformers is imported once for all five
+        code = main(["diff", *map(str, args), "--json"])
+        assert code in (0, 1), capsys.readouterr().err
+        return code, json.loads(capsys.readouterr().out)
+
+    ref = formats_root / "bin.reference"
+    code, d = diff_json(formats_root / "bin-sharded", ref)
+    assert code == 0 and d["format_a"] == "hf-bin" and d["format_b"] == "hf"
+    assert d["counts"]["identical"] == len(d["tensors"]) > 20
+    code, d = diff_json(formats_root / "pt-single" / "model.pt", formats_root / "bin-single",
+                        "--hf-config", formats_root / "bin-single")
+    assert code == 0 and d["format_a"] == d["format_b"] == "hf-bin" and d["same"]
+    code, d = diff_json(formats_root / "fp8-fsdp2", formats_root / "fp8-dcp",
+                        "--hf-config", formats_root / "fp8.reference")
+    assert code == 0 and d["same"] and d["format_b"] == "dcp"
+    assert any(t["dtype_a"].startswith("F8") for t in d["tensors"]), d["tensors"][:3]
+    assert d["warnings"] and not [w for w in d["warnings"] if "written anyway" in w]
+    assert any("extra" in w for w in d["warnings"])
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ref, bad)
+    t = load_file(bad / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    t[name] = t[name].clone()
+    t[name][0, 0] += 1
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    code, d = diff_json(formats_root / "bin-sharded", bad)
+    assert code == 1 and [x["name"] for x in d["tensors"] if x["status"] != "identical"] == [name]

@@ -280,3 +280,54 @@ def test_inspect_of_patterns_stays_free_of_torch(lora_root):
     summary, groups, imported = r.stdout.splitlines()
     assert imported == "[]" and "v_proj r=8 scale=3" in summary
     assert {"module": "k_proj", "r": 2, "scale": 8.0, "count": 3} in json.loads(groups)
+
+
+def test_inspect_shows_no_invented_scale_when_per_module_alpha_is_unknown(lora_root, tmp_path):
+    """Run metadata alone (one r and alpha) beside modules of other ranks: inspect gives each
+    group's rank but no scale (peft's would differ: v_proj has alpha 24 by alpha_pattern),
+    and warns why, naming what a fold needs; with the adapter's config the scales are peft's."""
+    ck = copy_checkpoint(lora_root / "w2-lora-patterns", tmp_path / "ck")
+    shutil.rmtree(ck / "lora_adapter")
+    layout = detect(ck)
+    summary = layout.lora.summary()
+    assert "scale=" not in summary and "each module's alpha unknown" in summary
+    assert "k_proj r=2, o_proj r=8, o_proj r=12, q_proj r=8, up_proj r=8, v_proj r=8" in summary
+    warn = [p for p in layout.problems if p.code == "lora-alpha-unknown"]
+    assert len(warn) == 1 and warn[0].severity == "warning" and "--lora-config" in warn[0].message
+    assert not layout.errors
+    r = cli("inspect", ck, "--json")
+    d = json.loads(r.stdout)
+    assert all(g["scale"] is None for g in d["lora"]["adapters"]["default"]["groups"])
+    assert "lora-alpha-unknown" in {p["code"] for p in d["problems"]}
+    assert "v_proj r=8 scale=3" in detect(lora_root / "w2-lora-patterns").lora.summary()
+
+
+@pytest.mark.asyncio
+async def test_merge_form_asks_for_alpha_when_the_run_metadata_cannot_give_it(lora_root,
+                                                                               tmp_path):
+    """Run metadata alone beside other ranks: the form's alpha field is empty (not the
+    doubtful recorded value), the form refuses naming the adapter config; the adapter's
+    config typed in its field gives peft's fold, bit for bit."""
+    from conftest import wait_for
+    from test_app import open_inspector, refused, run_to_end
+    from shardscope.tui.app import make_app
+    from shardscope.tui.screens.merge_options import MergeOptionsScreen
+
+    ck = copy_checkpoint(lora_root / "w2-lora-patterns", tmp_path / "ck")
+    shutil.rmtree(ck / "lora_adapter")
+    app = make_app(str(ck))
+    async with app.run_test(size=(120, 50)) as pilot:
+        await open_inspector(pilot, app)
+        await pilot.press("m")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen)
+                       and bool(app.screen.query("#lora-config")), tries=400)
+        await pilot.pause(0.3)  # the form's Selects mounted
+        form = app.screen
+        form.query_one("#output").value = str(tmp_path / "out")
+        form.query_one("#lora-mode").value = "fold"
+        assert form.query_one("#lora-alpha").value == ""
+        await refused(pilot, form, "#lora-config", "", "adapter_config.json")
+        form.query_one("#lora-config").value = str(lora_root / "w2-lora-patterns.adapter")
+        await run_to_end(pilot, app)
+    exact(load_file(tmp_path / "out" / "model.safetensors"),
+          load_file(lora_root / "w2-lora-patterns.fold" / "model.safetensors"))

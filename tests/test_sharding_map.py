@@ -131,3 +131,41 @@ def test_tensor_without_pieces_says_so(fixtures_root):
     layout.tensors[name] = dataclasses.replace(layout.tensors[name], pieces=[])
     text = "\n".join(draw(layout, name))
     assert "no stored piece of this tensor was found" in text and "·" not in text
+
+
+def test_fsdp2_tp_strided_shard_and_row_parallel_blocks():
+    """FSDP2 + TP written by torch 2.13 (a golden file, 61 rows: uneven): ``_StridedShard`` on
+    the DP dim is drawn as torch defines it (the rows cut into TP chunks, each chunk into DP
+    pieces; coordinate (dp i, tp j) holds piece i of chunk j, so rank (dp 1, tp 0) sits above
+    rank (dp 0, tp 1)); a ``Shard(1)`` row-parallel weight is cut across; a replicated norm
+    says so."""
+    import torch
+
+    from conftest import ROOT
+
+    layout = detect(str(ROOT / "tests" / "data" / "torch_releases" / "2.13.0" / "fsdp2_tp_2x2"
+                        / "checkpoint"))
+    emb = layout.tensors["model.embed_tokens.weight"]
+    lines = draw(layout, emb.name, width=60, height=12)
+    text = "\n".join(lines)
+    assert "StridedShard(0, 2)" in lines[0]
+    rows = torch.arange(emb.shape[0])
+    want = {}  # rank -> (first row, end row), by torch's definition of _StridedShard
+    for j, chunk in enumerate(rows.chunk(2)):       # TP chunks
+        for i, piece in enumerate(chunk.chunk(2)):  # DP pieces of each chunk
+            want[2 * i + j] = (int(piece[0]), int(piece[-1]) + 1)
+    for r, (a, b) in want.items():
+        assert f"r{r} (dp={r // 2}, tp={r % 2}): rows {a}:{b}, cols 0:{emb.shape[1]}" in text
+    grid = lines[1:13]
+    order = [next(i for i, line in enumerate(grid) if f"r{r} (" in line) for r in (0, 2, 1, 3)]
+    assert order == sorted(order) and len(set(order)) == 4  # top to bottom by first row
+    assert "·" not in text
+
+    o = layout.tensors["model.layers.0.self_attn.o_proj.weight"]  # (Shard(0), Shard(1))
+    text = "\n".join(draw(layout, o.name, width=60, height=12))
+    h, w = o.shape[0] // 2, o.shape[1] // 2
+    assert f"r1 (dp=0, tp=1): rows 0:{h}, cols {w}:{o.shape[1]}" in text
+    assert f"r2 (dp=1, tp=0): rows {h}:{o.shape[0]}, cols 0:{w}" in text
+
+    text = "\n".join(draw(layout, "model.norm.weight", width=60))
+    assert "replicated over tp (2)" in text

@@ -103,7 +103,11 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                                         placeholder=", ".join(names), id="lora-adapter")
                         with Vertical():
                             yield Label("lora_alpha (the run's value)")
-                            alpha = lora.adapters[names[0]].lora_alpha if names else None
+                            first = lora.adapters[names[0]] if names else None
+                            # not prefilled where the recorded alpha is in doubt (other module
+                            # ranks): a value there is then the user's, never assumed
+                            alpha = (first.lora_alpha if first is not None
+                                     and not first.alpha_doubt else None)
                             yield Input("" if alpha is None else f"{alpha:g}",
                                         placeholder="e.g. 16", id="lora-alpha")
                     with Horizontal(id="lora-files-row"):
@@ -174,7 +178,8 @@ class MergeOptionsScreen(ModalScreen[MergeOptions | None]):
                     opts.lora_alpha = float(alpha)
                 except ValueError:
                     raise UsageError(f"lora_alpha {alpha!r} is not a number") from None
-                recorded = {a.lora_alpha for a in self.ckpt.lora.adapters.values()}
+                recorded = {a.lora_alpha for a in self.ckpt.lora.adapters.values()
+                            if not a.alpha_doubt}
                 if opts.lora_alpha in recorded:
                     opts.lora_alpha = None  # the recorded value, not the user's override
             opts.lora_config = self.query_one("#lora-config", Input).value.strip() or None
