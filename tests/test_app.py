@@ -42,7 +42,9 @@ async def open_inspector(pilot, app):
 async def open_form(pilot, app, out) -> MergeOptionsScreen:
     """From the inspector, open the merge form and set its output folder."""
     await pilot.press("m")
-    await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+    # pushed is not composed: on a loaded machine #output may not exist yet
+    await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen)
+                   and bool(app.screen.query("#output")))
     app.screen.query_one("#output").value = str(out)
     return app.screen
 
