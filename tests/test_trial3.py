@@ -131,3 +131,15 @@ def test_sample_refuses_a_reference_folder_that_exists(tmp_path):
         "model.safetensors"]
     r = cli("sample", "--help")
     assert "number of ranks" in r.stdout and "the folder to write" in r.stdout
+
+
+# -- 9. verl's huggingface/ config folder points at its checkpoint ----------------------------
+def test_config_folder_points_at_its_checkpoint(fixtures_root):
+    ck = fixtures_root / "w2-qwen2-f32"
+    for given in (ck / "huggingface", ck / "huggingface" / "config.json"):
+        r = cli("inspect", given)
+        assert r.returncode == 3
+        assert r.stderr == (f"shardscope: {given}: the config folder of the checkpoint {ck} "
+                            "(config and tokenizer, no weights); give that folder\n")
+        d = json.loads(cli("inspect", given, "--json").stdout)
+        assert d["refused"] and d["problems"][0]["code"] == "wrong-folder"
