@@ -136,7 +136,7 @@ class MergeRunScreen(Screen):
                 text = self.phase
             if text is not None and text != self.shown_phase and not self.finished:
                 self.shown_phase = text
-                self.query_one("#status", Label).update(f"planning: {escape(text)}…")
+                self.query_one("#status", Label).update(f"{escape(text)}…")
             return
         with self.lock:
             ev, per, uploaded = self.latest, dict(self.per_source), self.uploaded
