@@ -96,7 +96,9 @@ async def test_app_merge_shows_planning_steps_and_total_time(fixtures_root, tmp_
     async with app.run_test(size=(120, 40)) as pilot:
         await inspector_ready(pilot, app)
         await pilot.press("m")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen)
+                       and app.screen.is_mounted and bool(app.screen.query("#output")))
+        await pilot.pause(0.2)  # the form's own widgets (its Selects) finish mounting
         app.screen.query_one("#output").value = str(out)
         await pilot.click("#ok")
         await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
