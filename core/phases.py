@@ -22,16 +22,18 @@ _local = threading.local()
 def reporting(callback: Callable[[str], None] | None) -> Iterator[None]:
     """Send this thread's :func:`phase` reports to ``callback`` (None: nowhere) inside the
     block; the previous callback comes back after it."""
-    old = getattr(_local, "callback", None)
-    _local.callback = callback
+    old = getattr(_local, "callback", None), getattr(_local, "last", None)
+    _local.callback, _local.last = callback, None
     try:
         yield
     finally:
-        _local.callback = old
+        _local.callback, _local.last = old
 
 
 def phase(text: str) -> None:
-    """Report ``text`` (one line, no newline) to this thread's callback, if any."""
+    """Report ``text`` (one line, no newline) to this thread's callback, if any; the same
+    text twice in a row is reported once (two steps may announce the same phase)."""
     cb = getattr(_local, "callback", None)
-    if cb is not None:
+    if cb is not None and text != getattr(_local, "last", None):
+        _local.last = text
         cb(text)

@@ -18,7 +18,7 @@ CHECKPOINTS = {
     "hsdp-w4": ("w4-hsdp", "fsdp, 4 rank(s)"),
     "dcp-w2": ("w2-dcp", "dcp, 2 rank(s)"),
     "dcp-w3": ("w3-dcp", "dcp, 3 rank(s)"),
-    "hf-folder": ("w1-fsdp2.reference", "hf, 1 rank(s)"),
+    "hf-folder": ("w1-fsdp2.reference", "hf, 1 file"),  # no ranks in a HF folder (trial3)
 }
 
 

@@ -122,8 +122,14 @@ def test_dcp_without_config_refuses_unless_not_strict(fixtures_root, tmp_path):
 
 
 def test_sample_command_writes_a_real_fsdp2_checkpoint(tmp_path):
+    (tmp_path / "ref").mkdir()  # an empty folder is fine: the reference takes its place
     r = run("sample", str(tmp_path / "ck"), "--reference", str(tmp_path / "ref"))
     assert r.returncode == 0, r.stderr
+    # the last line: with deepspeed installed, the spawned ranks' import of it logs a line too
+    assert r.stdout.splitlines()[-1] == (
+        f"wrote a 2-rank FSDP2 checkpoint of a tiny Qwen2 model to {tmp_path}/ck "
+        f"and its unsharded reference to {tmp_path}/ref")
+    assert (tmp_path / "ref" / "config.json").is_file()
     d = inspect_json(tmp_path / "ck")
     assert d["format"] == "fsdp" and d["world_size"] == 2 and d["mesh"]["dim_names"] == ["fsdp"]
     r = run("merge", str(tmp_path / "ck"), "-o", str(tmp_path / "m"))

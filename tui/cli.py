@@ -173,9 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sample", help="write a real FSDP2 sample checkpoint of a tiny model "
                                       "(torch.distributed, gloo, CPU)")
-    s.add_argument("path")
-    s.add_argument("--world-size", type=int, default=2)
-    s.add_argument("--reference", help="also write the unsharded model here")
+    s.add_argument("path", help="the folder to write (a new or empty one): verl's layout, "
+                                "model_world_size_W_rank_r.pt + fsdp_config.json + huggingface/")
+    s.add_argument("--world-size", type=int, default=2,
+                   help="number of ranks (processes) to shard the model over (default 2)")
+    s.add_argument("--reference", help="also write the unsharded model here (save_pretrained; "
+                                       "a new or empty folder), for verify --reference")
     s.add_argument("--megatron", metavar="FAMILY", choices=["llama", "qwen2", "qwen3", "mixtral"],
                    help="instead, write Megatron-LM checkpoints (torch_dist and legacy, several "
                         "TP/PP/VPP/EP layouts) of a tiny model of this family with megatron-core "
@@ -225,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                     "sample": cmd_sample, "upload": cmd_upload,
                     "diff": cmd_diff}[args.command](args)
     except ShardscopeError as e:
+        if args.command == "inspect" and args.json:
+            # `inspect --json` always prints one JSON document, a usage refusal too (a missing
+            # path, a --tag or --map that does not exist): scripts parse stdout
+            print(json.dumps(_refusal_json(args.path, e), indent=2))
+            return e.exit_code
         print(f"shardscope: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
@@ -279,7 +287,7 @@ def _check_args(args) -> None:
         path = args.path if args.command != "merge" else (args.path or args.local_dir)
         # under --distributed PATH may hold {rank}; each process checks its own folder
         if path and not getattr(args, "distributed", False) and not os.path.exists(path):
-            raise UsageError("no such file or folder", path)
+            raise UsageError("no such file or folder", path, code="no-such-path")
     if args.command == "diff":
         for path in (args.a, args.b):
             if not os.path.exists(path):
@@ -676,6 +684,19 @@ def cmd_verify(args) -> int:
             for d in diffs:
                 t.add_row(d.name, d.kind, d.detail)
             console.print(t)
+            # the verdict names what differs (never the table's border as the last word)
+            kinds = {}
+            for d in diffs:
+                kinds[d.kind] = kinds.get(d.kind, 0) + 1
+            tensors = len(dict.fromkeys(d.name for d in diffs))
+            hint = ("; the dtypes differ: compare values with --atol/--rtol"
+                    if "dtype" in kinds and not (args.atol or args.rtol) else "")
+            console.print(
+                f"[red]not ok[/] {args.path}: {tensors} tensor(s) differ from {args.reference} ("
+                + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
+                + (f" and {len(errors)} error(s) ("
+                   + ", ".join(dict.fromkeys(p.code for p in errors)) + ")" if errors else "")
+                + hint, highlight=False)
             return 1
         console.print(f"[green]all tensors match[/] {args.reference}"
                       + (" bit for bit" if not (args.atol or args.rtol) else ""))
@@ -766,13 +787,20 @@ def cmd_sample(args) -> int:
               + ", ".join(sorted(p.name for p in out.iterdir() if p.name.startswith("tp")))
               + " (each with torch_dist/ and legacy/), and reference/")
         return 0
+    # before the minute of writing: write_sample moves the reference *into* an existing folder
+    # (and a later verify --reference would compare with the old model there)
+    for folder in (args.path, args.reference):
+        if folder and os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+            raise UsageError("exists and is not empty; choose a new folder", folder)
+    if args.reference and os.path.isdir(args.reference):
+        os.rmdir(args.reference)  # empty: the reference is moved into its place
     try:
-        out = write_sample(args.path, world_size=args.world_size, reference=args.reference)
+        write_sample(args.path, world_size=args.world_size, reference=args.reference)
     except FileExistsError as e:
         from shardscope.core import UsageError
 
         raise UsageError(str(e)) from None
-    print(f"wrote a {args.world_size}-rank FSDP2 checkpoint of a tiny Qwen2 model to {out}"
+    print(f"wrote a {args.world_size}-rank FSDP2 checkpoint of a tiny Qwen2 model to {args.path}"
           + (f" and its unsharded reference to {args.reference}" if args.reference else ""))
     return 0
 

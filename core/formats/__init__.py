@@ -74,6 +74,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
                                    f"that this file ({given.name}) belongs to")
         _other_checkpoints(layout, others, read)
         return finish_layout(layout, hf_config)
+    _config_folder(p, given)
     if given.is_file():
         raise BadCheckpointError("not a checkpoint file (expected a folder, .pt/.bin/"
                                  ".safetensors)", str(given), code="not-a-checkpoint")
@@ -194,6 +195,19 @@ def _wrong_folder(p: Path) -> None:
     raise BadCheckpointError(
         f"verl's run folder, not a checkpoint: latest_checkpointed_iteration.txt names step "
         f"{text}; the checkpoint is {where}", str(p), code="wrong-folder")
+
+
+def _config_folder(p: Path, given: Path) -> None:
+    """Raise a pointer (``wrong-folder``) for the ``huggingface/`` config folder of a checkpoint
+    (verl saves config and tokenizer there, beside the rank files), or a file in it: the
+    checkpoint is its parent folder."""
+    if p.name != "huggingface" or not (p / "config.json").is_file():
+        return
+    parent = p.parent
+    if any(mod.sniff(str(parent)) for _, mod in _readers()):
+        raise BadCheckpointError(
+            f"the config folder of the checkpoint {parent} (config and tokenizer, no weights); "
+            "give that folder", str(given), code="wrong-folder")
 
 
 def _optimizer_folder(p: Path) -> None:

@@ -222,8 +222,8 @@ def _summary(path: str) -> str:
 
 
 def folder_summary(path: str) -> str:
-    """What a folder holds: ``"fsdp, 2 rank(s)"`` (with the count of problems found),
-    ``"unreadable: <reason>"``, or ``""`` when no reader recognises it."""
+    """What a folder holds: ``"fsdp, 2 rank(s)"`` or ``"hf, 1 file"`` (with the count of
+    problems found), ``"unreadable: <reason>"``, or ``""`` when no reader recognises it."""
     from shardscope.core import ShardscopeError, detect
     from shardscope.core.formats import _readers
 
@@ -235,7 +235,11 @@ def folder_summary(path: str) -> str:
         return f"unreadable: {e.message}"
     except OSError as e:
         return f"unreadable: {e.strerror or e}"
-    summary = f"{layout.format}, {layout.world_size} rank(s)"
+    if layout.format in ("hf", "hf-bin"):  # one model, no ranks: say how many weight files
+        n = len(layout.files)
+        summary = f"{layout.format}, {n} file{'s' if n != 1 else ''}"
+    else:
+        summary = f"{layout.format}, {layout.world_size} rank(s)"
     if layout.errors:
         summary += f", {len(layout.errors)} problem(s)"
     return summary

@@ -40,6 +40,8 @@ class MergeRunScreen(Screen):
         self.plan = None
         self.uploading = False  # the status line then stays "uploading to …"
         self.uploaded: tuple[int, int] | None = None  # bytes sent, total; set by the worker
+        self.phase: str | None = None  # the planning step under way; set by the worker
+        self.shown_phase: str | None = None
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -66,6 +68,12 @@ class MergeRunScreen(Screen):
             if ev.source:
                 self.per_source[ev.source] = ev.source_read
 
+    def on_phase(self, text: str) -> None:
+        """Called from the worker thread while planning (core/phases.py: importing
+        transformers, building the model for the architecture check, ...): only stores it."""
+        with self.lock:
+            self.phase = text
+
     def on_upload_progress(self, done: int, total: int) -> None:
         """Called from the worker thread during the upload: only stores the byte counts."""
         with self.lock:
@@ -76,7 +84,10 @@ class MergeRunScreen(Screen):
     def run_merge(self) -> None:
         worker = get_current_worker()
         try:
-            plan = plan_merge(self.ckpt, self.options)
+            from shardscope.core.phases import reporting
+
+            with reporting(self.on_phase):  # planning can take a minute on a loaded machine
+                plan = plan_merge(self.ckpt, self.options)
             self.plan = plan
             self.app.call_from_thread(self._show_plan, plan)
             result = run_merge(plan, on_progress=self.on_progress,
@@ -121,6 +132,11 @@ class MergeRunScreen(Screen):
 
     def _poll(self) -> None:
         if self.plan is None:
+            with self.lock:
+                text = self.phase
+            if text is not None and text != self.shown_phase and not self.finished:
+                self.shown_phase = text
+                self.query_one("#status", Label).update(f"{escape(text)}…")
             return
         with self.lock:
             ev, per, uploaded = self.latest, dict(self.per_source), self.uploaded
@@ -149,7 +165,10 @@ class MergeRunScreen(Screen):
         self.finished = True
         self._poll()
         r = msg.result
-        lines = [f"[green b]done[/] in {r.seconds:.2f} s: {r.tensors} tensors, "
+        # the whole run from the form's submit (planning included, as the CLI's summary says)
+        total = max(time.monotonic() - self.started, r.seconds)
+        lines = [f"[green b]done[/] in {total:.2f} s (planning {total - r.seconds:.2f} s, "
+                 f"writing {r.seconds:.2f} s): {r.tensors} tensors, "
                  f"{human_bytes(r.tensor_bytes)} -> {r.output}"]
         lines += [f"  {name}  {human_bytes(size)}" for name, size in r.files]
         lines += [f"[yellow]warning:[/] {w}" for w in r.warnings]
