@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout
+from ..phases import check_cancelled
 from .common import contained
 
 
@@ -30,7 +31,9 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
     DeepSpeed checkpoint, ``master`` (the fp32 optimizer copy) or ``module`` (the weights as
     trained, e.g. bf16, where the stage keeps them). Raises
     :class:`BadCheckpointError` when the path does not exist or no reader recognises it;
-    problems with a recognised checkpoint are in ``layout.problems`` instead.
+    problems with a recognised checkpoint are in ``layout.problems`` instead. Inside a
+    :func:`core.phases.watching` block the many-file readers report their progress (and a
+    preview) and raise :class:`ReadCancelled` between files once it is cancelled.
     """
     given = p = Path(path)
     if not p.exists():
@@ -48,6 +51,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
                 layout = mod.read(str(given))  # the single state-dict file asked for
             else:
                 layout = mod.read(str(p))
+            check_cancelled()  # a front end's watch (core/phases.py) stopped the read
             if mod.__name__.endswith(".dcp") and not layout.tensors:
                 _optimizer_folder(p)
             _files_inside(layout, p)
