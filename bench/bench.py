@@ -137,8 +137,8 @@ async def main():
         while not (isinstance(app.screen, InspectorScreen) and app.screen.is_mounted):
             await pilot.pause(0.01)
         out.update(first=time.perf_counter() - t0, first_cpu=cpu(),
-                   loading=app.screen.loading_path is not None)
-        while app.screen.loading_path is not None or not app.screen.is_mounted:
+                   loading=getattr(app.screen, "loading_path", None) is not None)
+        while getattr(app.screen, "loading_path", None) is not None or not app.screen.is_mounted:
             await pilot.pause(0.01)
         await pilot.pause(0)
         out.update(full=time.perf_counter() - t0, full_cpu=cpu())

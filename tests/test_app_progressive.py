@@ -215,3 +215,40 @@ async def test_failure_after_the_preview_shows_on_the_screen(fixtures_root, tmp_
         await pilot.pause(0.1)
         assert app.screen is screen
         assert any(n.startswith("merge: reading the checkpoint failed") for n in notices(app))
+
+
+def test_watch_reports_preview_counts_copies_and_cancels(fixtures_root, tmp_path):
+    """core/phases.py without the app: one preview (after rank 0, with the mesh and every
+    tensor's global shape), counts up to the total, problems as copies taken when sent, and
+    a cancel that stops detect between files."""
+    from shardscope.core.phases import watching
+
+    src = copy_checkpoint(fixtures_root / "w4-fsdp2", tmp_path / "ckpt")
+    damaged = src / "model_world_size_4_rank_1.pt"
+    os.truncate(damaged, damaged.stat().st_size // 2)
+    seen = []
+    with watching(seen.append, threading.Event(), interval=60):
+        full = detect(src)
+    previews = [p for p in seen if p.preview is not None]
+    assert len(previews) == 1 and previews[0].done == 1 and previews[0].total == 4
+    preview = previews[0].preview
+    assert sorted(preview.tensors) == sorted(full.tensors)
+    assert preview.tensors[NAME].shape == full.tensors[NAME].shape
+    assert preview.mesh_shape == full.mesh_shape and preview.parallel == full.parallel
+    assert preview.config_dir == full.config_dir and preview.files[0].rank == 0
+    assert [len(t.pieces) for t in preview.tensors.values()] == [1] * len(preview.tensors)
+    # throttled to one update a minute: the start, the preview, the new problem (rank 1),
+    # the last file
+    assert [(p.done, len(p.problems)) for p in seen] == [(0, 0), (1, 0), (2, 1), (4, 1)]
+    assert seen[2].problems[0].code == "truncated-file"
+    assert seen[2].problems[0] is not full.problems[0]  # a copy, not the reader's object
+    assert full.tensors[NAME].pieces[0] is not preview.tensors[NAME].pieces[0]
+    cancel = threading.Event()
+
+    def stop(p):
+        if p.done == 2:
+            cancel.set()
+
+    with watching(stop, cancel, interval=0):
+        with pytest.raises(ReadCancelled):
+            detect(src)

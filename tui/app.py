@@ -116,6 +116,8 @@ class ShardscopeApp(App):
             screen.shown = msg.shown
             self.push_screen(screen)
             return
+        elif self._current(msg.path) and hasattr(self.screen, "show_opening"):
+            self.screen.show_opening(msg.path, msg.progress.text)  # a reader without preview
         if msg.shown is not None:
             msg.shown.set()
 

@@ -183,6 +183,11 @@ class BrowserScreen(Screen):
         elif msg.summary and parent == self.highlighted and self.highlighted in self.marks:
             self._show(self.highlighted)  # its "checkpoints inside" list grew
 
+    def show_opening(self, path: str, text: str) -> None:
+        """The status line while the app reads the checkpoint ``path`` it opens (readers
+        that send counts but no preview: ``reading optimizer files 3/8``)."""
+        self.query_one("#detected", Label).update(f"opening {path}: {text}")
+
     def _show(self, path: str) -> None:
         summary = self.marks.get(path, "")
         if not summary:
