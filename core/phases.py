@@ -78,8 +78,10 @@ class ReadProgress:
 
 
 class _Watch:
-    def __init__(self, on_progress, cancel, interval):
+    def __init__(self, on_progress, cancel, interval, preview_after):
         self.on_progress, self.cancel, self.interval = on_progress, cancel, interval
+        self.preview_after = preview_after
+        self.start = time.monotonic()
         self.last = float("-inf")
         self.previewed = False
         self.problems = 0
@@ -88,14 +90,19 @@ class _Watch:
 
 @contextlib.contextmanager
 def watching(on_progress: Callable[[ReadProgress], None] | None,
-             cancel: threading.Event | None = None, interval: float = 0.1) -> Iterator[None]:
+             cancel: threading.Event | None = None, interval: float = 0.1,
+             preview_after: float = 0.0) -> Iterator[None]:
     """Send this thread's :func:`progressed` reports to ``on_progress`` as
     :class:`ReadProgress` (throttled: one every ``interval`` seconds, plus the preview, the
     last file and the first :data:`PROBLEM_UPDATES` new problems) inside the block, and make
     readers raise :class:`ReadCancelled` between files once ``cancel`` is set. The previous
-    watch comes back after the block."""
+    watch comes back after the block.
+
+    ``preview_after``: a preview is built only when the files still to read would take at
+    least this many seconds more at the pace so far (a front end that shows a preview and
+    then the full layout pays for two screens: not worth it for a read about to end)."""
     old = getattr(_local, "watch", None)
-    _local.watch = _Watch(on_progress, cancel, interval)
+    _local.watch = _Watch(on_progress, cancel, interval, preview_after)
     try:
         yield
     finally:
@@ -128,7 +135,8 @@ def progressed(done: int, total: int, layout: CheckpointLayout | None = None,
     now = time.monotonic()
     n_problems = len(layout.problems) if layout is not None else 0
     snap = None
-    if preview is not None and not w.previewed:
+    if preview is not None and not w.previewed and done < total and (
+            (now - w.start) / max(done, 1) * (total - done) >= w.preview_after):
         snap, w.previewed = preview(), True
     elif now - w.last < w.interval and done < total:
         if n_problems <= w.problems or w.forced >= PROBLEM_UPDATES:

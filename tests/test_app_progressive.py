@@ -91,6 +91,7 @@ async def test_preview_then_full_layout(fixtures_root, tmp_path, monkeypatch):
     full = detect(src)
     gate = Gate(monkeypatch, hold=2)
     app = make_app(str(src))
+    app.PREVIEW_AFTER = 0  # tiny files read at once: preview whatever the pace
     async with app.run_test(size=(110, 34)) as pilot:
         screen = await loading_inspector(pilot, app)
         # the preview: every tensor with its global shape, a bar counting rank files
@@ -141,6 +142,7 @@ async def test_problems_found_after_the_preview_show_while_loading(fixtures_root
     os.truncate(damaged, damaged.stat().st_size // 2)
     gate = Gate(monkeypatch, hold=3)
     app = make_app(str(src))
+    app.PREVIEW_AFTER = 0
     async with app.run_test(size=(110, 34)) as pilot:
         screen = await loading_inspector(pilot, app)
         problems = screen.query_one("#problems")
@@ -167,6 +169,7 @@ async def test_escape_while_loading_cancels_the_read(fixtures_root, tmp_path, mo
     src = copy_checkpoint(fixtures_root / "w4-fsdp2", parent / "ckpt")
     gate = Gate(monkeypatch, hold=2)
     app = make_app(str(parent))
+    app.PREVIEW_AFTER = 0
     async with app.run_test(size=(110, 34)) as pilot:
         browser = app.screen
         assert isinstance(browser, BrowserScreen)
@@ -202,6 +205,7 @@ async def test_failure_after_the_preview_shows_on_the_screen(fixtures_root, tmp_
     os.symlink(outside, src / "model_world_size_4_rank_3.pt")
     gate = Gate(monkeypatch, hold=2)
     app = make_app(str(src))
+    app.PREVIEW_AFTER = 0
     async with app.run_test(size=(110, 34)) as pilot:
         screen = await loading_inspector(pilot, app)
         gate.open()
@@ -227,7 +231,7 @@ def test_watch_reports_preview_counts_copies_and_cancels(fixtures_root, tmp_path
     damaged = src / "model_world_size_4_rank_1.pt"
     os.truncate(damaged, damaged.stat().st_size // 2)
     seen = []
-    with watching(seen.append, threading.Event(), interval=60):
+    with watching(seen.append, threading.Event(), interval=60, preview_after=0):
         full = detect(src)
     previews = [p for p in seen if p.preview is not None]
     assert len(previews) == 1 and previews[0].done == 1 and previews[0].total == 4

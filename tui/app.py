@@ -17,6 +17,9 @@ class ShardscopeApp(App):
     """shardscope's terminal app."""
 
     CSS_PATH = "app.tcss"
+    #: the inspector opens on a reader's preview when the rest of the files would take at
+    #: least this many seconds more (else it opens once, on the full layout)
+    PREVIEW_AFTER = 0.3
     TITLE = "shardscope"
     BINDINGS = [
         Binding("q", "quit", "Quit", id="quit", tooltip="Quit (asks first during a merge)"),
@@ -72,7 +75,7 @@ class ShardscopeApp(App):
                 shown.wait(3)  # the reader pauses, not to take the CPU from it meanwhile
 
         try:
-            with watching(report, cancel):
+            with watching(report, cancel, preview_after=self.PREVIEW_AFTER):
                 layout = detect(path)
             self.post_message(LayoutLoaded(layout, path))
         except ReadCancelled:
