@@ -256,3 +256,19 @@ def test_watch_reports_preview_counts_copies_and_cancels(fixtures_root, tmp_path
     with watching(stop, cancel, interval=0):
         with pytest.raises(ReadCancelled):
             detect(src)
+
+
+@pytest.mark.asyncio
+async def test_full_layout_arriving_before_the_preview_is_mounted(fixtures_root):
+    """The full layout may arrive while the preview's screen is pushed but not mounted yet:
+    the screen takes it once mounted (no half screen, no error)."""
+    from shardscope.core.phases import ReadProgress
+
+    full = detect(fixtures_root / "w4-fsdp2")
+    app = make_app(str(fixtures_root))
+    async with app.run_test(size=(110, 34)) as pilot:
+        screen = InspectorScreen(full, loading=(full.path, ReadProgress(1, 4)))
+        await screen.show_loaded(full)  # before it is mounted
+        app.push_screen(screen)
+        await inspector_ready(pilot, app)
+        assert not screen.query("#loading") and len(screen.ckpt.files) == 4

@@ -89,6 +89,8 @@ class InspectorScreen(Screen):
         self.failed: str | None = None
         #: set (a ``threading.Event``, given by the app) once the preview is painted
         self.shown = None
+        #: the full layout when it arrived before this screen was mounted
+        self._pending: CheckpointLayout | None = None
         #: the tensor whose statistics the panel shows or is reading (None: no tensor)
         self.stats_for: str | None = None
         #: the architecture check's verdict, once the background worker has posted it
@@ -171,6 +173,8 @@ class InspectorScreen(Screen):
                 "[dim]from the first rank file(s)[/]"
             if self.shown is not None:
                 self.call_after_refresh(self.shown.set)
+            if self._pending is not None:  # the full layout came before the first paint
+                self.call_after_refresh(self.show_loaded, self._pending)
 
     def _setup(self) -> None:
         """What the widgets need after each compose (first mount, and :meth:`show_loaded`)."""
@@ -199,6 +203,10 @@ class InspectorScreen(Screen):
         tree cursor stays on the same tensor, the active tabs and the filter stay (but a
         layout with problems opens its problems tab, as the inspector always does), and the
         architecture check starts."""
+        if not self.is_mounted:  # pushed, not mounted yet: on_mount takes it
+            self._pending = layout
+            return
+        self._pending = None
         selected = self.selected_tensor()
         tabs = (self.query_one("#files-problems", TabbedContent).active,
                 self.query_one("#detail", TabbedContent).active)
