@@ -8,9 +8,11 @@ then times each job ``--reps`` times and prints one table: median wall time, its
 copy floor, peak RSS of the job's process tree, and that peak over the model size. Also times
 ``shardscope inspect --json`` and ``merge`` on FSDP2 checkpoints of an 80-layer model saved by
 ``--many`` ranks (256 and 1024 by default; each rank written by its own process under torch's
-``fake`` backend), against ``torch.load`` of every rank file, and the app's start to its first
-screen. Merges plan with a warm architecture cache (core/archcache.py, filled by this run
-before timing) except the many-rank rows marked cold (``SHARDSCOPE_CACHE=off``). ``--no-peers`` leaves out the DCP, verl and Megatron peers (long). Ratios within one
+``fake`` backend), against ``torch.load`` of every rank file, and the app's start: to its first
+useful screen (the inspector, maybe still reading rank files) and to the full layout, wall and
+CPU seconds (``--only app``: just those, on the many-rank checkpoints). Merges plan with a warm
+architecture cache (core/archcache.py, filled by this run before timing) except the many-rank
+rows marked cold (``SHARDSCOPE_CACHE=off``). ``--no-peers`` leaves out the DCP, verl and Megatron peers (long). Ratios within one
 run are what to compare: these machines are shared and noisy.
 """
 
@@ -118,19 +120,57 @@ save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(sys.argv[2], 
 os.remove(sys.argv[2] + ".pt")
 """
 
+# The app's start: to its first useful screen (the inspector pushed and mounted, maybe still
+# loading: the preview of the first rank file) and until it shows the full layout (every rank
+# file read, the screen recomposed). Prints wall and CPU seconds (this process, all threads)
+# of both as JSON; the CPU time is what to compare on a loaded machine.
 APP_START = r"""
-import asyncio, sys, time
+import asyncio, json, resource, sys, time
 t0 = time.perf_counter()
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 from shardscope.tui.app import make_app
 from shardscope.tui.screens.inspector import InspectorScreen
+out = {}
 async def main():
     app = make_app(sys.argv[1])
     async with app.run_test(size=(110, 34)) as pilot:
-        # the inspector pushed *and* mounted (its widgets exist): the first useful screen
         while not (isinstance(app.screen, InspectorScreen) and app.screen.is_mounted):
             await pilot.pause(0.01)
+        out.update(first=time.perf_counter() - t0, first_cpu=cpu(),
+                   loading=getattr(app.screen, "loading_path", None) is not None)
+        while getattr(app.screen, "loading_path", None) is not None or not app.screen.is_mounted:
+            await pilot.pause(0.01)
+        await pilot.pause(0)
+        out.update(full=time.perf_counter() - t0, full_cpu=cpu())
 asyncio.run(main())
+print(json.dumps(out))
 """
+
+
+def measure_app(path: Path, reps: int) -> dict:
+    """Median (per field) of ``reps`` runs of :data:`APP_START` on ``path``."""
+    runs = []
+    for _ in range(reps):
+        r = subprocess.run([sys.executable, "-c", APP_START, str(path)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"APP_START failed on {path}: {r.stderr.strip()[-500:]}")
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return {k: statistics.median(float(x[k]) for x in runs) for k in runs[0]}
+
+
+def app_rows(paths: dict[int, Path], reps: int) -> None:
+    """Print the app's start on each checkpoint (rank count -> folder)."""
+    print("\n| app start | first screen wall s | CPU s | fully loaded wall s | CPU s |")
+    print("|---|---:|---:|---:|---:|")
+    for w, p in paths.items():
+        print(f"running: app start, {w} ranks", file=sys.stderr)
+        r = measure_app(p, reps)
+        print(f"| {w} ranks ({p.name}){'' if r['loading'] else ', loaded at once'} | "
+              f"{r['first']:.2f} | {r['first_cpu']:.2f} | {r['full']:.2f} | "
+              f"{r['full_cpu']:.2f} |", flush=True)
 
 
 def measure(cmd: list[str], out: Path | None, reps: int) -> dict:
@@ -220,12 +260,26 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true",
                     help="leave out the DCP, verl and peer jobs (the cast and many-rank rows "
                          "stay)")
+    ap.add_argument("--only", choices=["app"], default=None,
+                    help="app: only the app's start (first screen, fully loaded) on the "
+                         "80-layer checkpoints of --many ranks (written if missing)")
     ap.add_argument("--megatron", action="store_true",
                     help="also write (once) a ~1.9 GB Llama-shaped Megatron-LM checkpoint with "
                          "megatron-core (TP=2 x PP=2, torch_dist and legacy) and time its merge")
     args = ap.parse_args()
     from bench.write_ckpt import write_fsdp_and_dcp, write_many_ranks_procs
 
+    if args.only == "app":
+        paths = {}
+        for w in [int(x) for x in args.many.split(",") if x.strip()]:
+            paths[w] = Path(args.cache) / f"fsdp2-{w}-ranks-80l"
+            if not (paths[w] / "fsdp_config.json").exists():
+                print(f"writing the {w}-rank checkpoint ...", file=sys.stderr)
+                write_many_ranks_procs(paths[w], w)
+        print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; median of "
+              f"{args.reps}")
+        app_rows(paths, args.reps)
+        return
     cache = Path(args.cache) / f"fsdp2-{args.gb:g}gb-w{args.world_size}"
     if not (cache / "complete").exists():
         shutil.rmtree(cache, ignore_errors=True)
@@ -333,9 +387,6 @@ def main() -> None:
         w = next((w for w in many if f"{w} rank" in name), None)
         rows.append((name, r, shard, floor, mg_size if megatron else many_bytes[w] if w
                      else size))
-    app = measure([sys.executable, "-c", APP_START, str(fsdp)], None, args.reps)
-    app_many = {w: measure([sys.executable, "-c", APP_START, str(src)], None, args.reps)
-                for w, src in many.items()}
     split = {w: {k: _split_cpu(src, c, work / "split-out") for k, c in
                  (("cold", "off"), ("warm", str(arch)))} for w, src in many.items()}
     cpu = platform.processor() or platform.machine()
@@ -387,8 +438,7 @@ def main() -> None:
                   f"{merge['wall']:.2f} s (wall); in process, CPU: reading the layout "
                   f"{lay:.2f} s, planning {pl:.2f} s, writing {run:.2f} s: planning is "
                   f"{100 * pl / (lay + pl + run):.0f}% of the merge's CPU")
-    print(f"\napp start to first screen: {app['wall']:.2f} s" + "".join(
-        f"; {w} ranks: {r['wall']:.2f} s" for w, r in app_many.items()))
+    app_rows({args.world_size: fsdp, **many}, args.reps)
 
 
 if __name__ == "__main__":

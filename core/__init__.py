@@ -8,8 +8,8 @@ The three steps every front end uses::
     result = run_merge(plan, on_progress=print, cancel=threading.Event())
 """
 
-from .errors import (BadCheckpointError, MergeCancelled, OutputExistsError, ShardscopeError,
-                     UnsafeCheckpointError, UsageError)
+from .errors import (BadCheckpointError, MergeCancelled, OutputExistsError, ReadCancelled,
+                     ShardscopeError, UnsafeCheckpointError, UsageError)
 from .execute import MergeProgress, MergeResult, run_merge
 from .formats import detect
 from .layout import CheckpointLayout, Piece, Problem, SourceFile, TensorInfo
@@ -17,7 +17,7 @@ from .plan import MergeOptions, MergePlan, plan_merge
 
 __all__ = [
     "BadCheckpointError", "CheckpointLayout", "MergeCancelled", "MergeOptions", "MergePlan",
-    "MergeProgress", "MergeResult", "OutputExistsError", "Piece", "Problem", "ShardscopeError",
+    "MergeProgress", "MergeResult", "OutputExistsError", "Piece", "Problem", "ReadCancelled", "ShardscopeError",
     "SourceFile", "TensorInfo", "UnsafeCheckpointError", "UsageError", "detect", "plan_merge",
     "run_merge",
 ]

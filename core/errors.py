@@ -58,3 +58,8 @@ class MergeCancelled(ShardscopeError):
     """The merge was cancelled through its ``threading.Event``; nothing was left at the output."""
 
     exit_code = 130
+
+
+class ReadCancelled(MergeCancelled):
+    """Reading a layout was cancelled through the ``threading.Event`` given to
+    :func:`core.phases.watching` (checked by the readers between files)."""

@@ -53,7 +53,8 @@ def save(app, name: str) -> None:
 async def shoot(ckpt: Path, out: Path) -> None:
     app = make_app(str(ckpt))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen)
+                       and app.screen.loading_path is None)
         await pilot.press("down", "down", "down", "down")
         await pilot.pause(0.2)
         save(app, "inspector")
@@ -86,7 +87,8 @@ async def shoot_megatron(ckpt: Path) -> None:
     Megatron names (``n``), a q_proj selected: its pieces come from the two TP ranks."""
     app = make_app(str(ckpt))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen)
+                       and app.screen.loading_path is None)
         await pilot.press("n")
         tree = app.screen.query_one("#params")
         await pilot.pause(0.3)
@@ -106,7 +108,8 @@ async def shoot_small(ckpt: Path) -> None:
     """The inspector at 80x24, the smallest size the app is laid out for."""
     app = make_app(str(ckpt))
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen)
+                       and app.screen.loading_path is None)
         tree = app.screen.query_one("#params")
         leaf = next(n for n in _walk(tree.root) if n.data is not None and
                     n.data.name == "model.embed_tokens.weight")
@@ -125,6 +128,7 @@ async def shoot_compare(ckpt: Path, other: Path) -> None:
     app = make_app(str(ckpt))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen)
+                       and app.screen.loading_path is None
                        and app.screen.is_mounted)
         await pilot.press("c")
         await wait_for(pilot, lambda: isinstance(app.screen, ComparePathScreen)

@@ -301,13 +301,14 @@ async def wait_for(pilot, cond, tries=100):
 
 
 async def inspector_ready(pilot, app, checked: bool = False, tries: int = 400):
-    """Wait until the inspector is the screen *and* has run its on_mount (its widgets exist);
+    """Wait until the inspector is the screen *and* has run its on_mount (its widgets exist)
+    *and* shows the full layout (not the preview it shows while the rank files are read);
     with ``checked``, also until the background architecture check has posted its verdict, so
     a snapshot does not depend on how fast torch imports on a loaded machine."""
     from shardscope.tui.screens.inspector import InspectorScreen
 
     await wait_for(pilot, lambda: isinstance(app.screen, InspectorScreen)
-                   and app.screen.is_mounted, tries=tries)
+                   and app.screen.is_mounted and app.screen.loading_path is None, tries=tries)
     if checked:
         await wait_for(pilot, lambda: app.screen.verdict is not None, tries=1200)
     return app.screen

@@ -11,9 +11,23 @@ from shardscope.core import CheckpointLayout, MergeResult
 
 @dataclass
 class LayoutLoaded(Message):
-    """A checkpoint's layout was read."""
+    """A checkpoint's layout was read (every file); ``path``: the path that was opened
+    (None: not from the app's loader)."""
 
     layout: CheckpointLayout
+    path: str | None = None
+
+
+@dataclass
+class LayoutProgressed(Message):
+    """Reading the checkpoint opened at ``path`` went on: ``progress`` is a
+    :class:`core.phases.ReadProgress` (files read, problems so far, once a preview layout)."""
+
+    path: str
+    progress: object
+    #: with a preview: set once the screen showing it was painted (the reader waits for it,
+    #: a few seconds at most, so that its thread does not slow the first screen down)
+    shown: object = None
 
 
 @dataclass

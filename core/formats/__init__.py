@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout
+from ..phases import check_cancelled
 from .common import contained
 
 
@@ -30,7 +31,9 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
     DeepSpeed checkpoint, ``master`` (the fp32 optimizer copy) or ``module`` (the weights as
     trained, e.g. bf16, where the stage keeps them). Raises
     :class:`BadCheckpointError` when the path does not exist or no reader recognises it;
-    problems with a recognised checkpoint are in ``layout.problems`` instead.
+    problems with a recognised checkpoint are in ``layout.problems`` instead. Inside a
+    :func:`core.phases.watching` block the many-file readers report their progress (and a
+    preview) and raise :class:`ReadCancelled` between files once it is cancelled.
     """
     given = p = Path(path)
     if not p.exists():
@@ -53,6 +56,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
     if found:
         name, mod = found[0]
         layout = read(mod)
+        check_cancelled()  # a front end's watch (core/phases.py) stopped the read
         others = found[1:]
         if given.is_file() and given.resolve() not in _weight_files(layout):
             # a folder holding two checkpoints, and the user named a file of the second one:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from ..phases import phase
+from ..phases import phase, progressed
 from .common import attach_config, contained, problem_for, stat_file
 from .torchsave import Record, TensorRef, read_torch_archive
 
@@ -269,6 +269,7 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
     prefix = "bf16_" if any(Path(f).name.startswith("bf16_") for f in optim.values()) else ""
     stages: list[dict] = []  # per pipeline stage: model states, groups by dp rank, files
     for s in range(mpw):  # pipeline stages, or AutoTP ranks
+        progressed(s * world, mpw * world, layout, what="optimizer files")
         st = {"model_file": None, "states": None, "groups": {}, "optim": {}, "model3": {}}
         stages.append(st)
         mf = model2.get(s) or model3.get((s, 0)) or str(d / f"mp_rank_{s:02d}_model_states.pt")
@@ -301,6 +302,7 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
                                                fpath))
                 continue
             phase(f"reading optimizer files: {what}")
+            progressed(s * world + r, mpw * world, layout, what="optimizer files")
             try:
                 osd = _get(read_torch_archive(fpath).root, "optimizer_state_dict")
                 st["groups"][r] = _flat_groups(osd, fpath)

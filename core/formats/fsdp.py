@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from ..phases import phase
+from ..phases import phase, progressed, snapshot
 from .common import attach_config, clean_key, problem_for, stat_file
 from .torchsave import DType, Record, TensorRef, read_torch_archive
 
@@ -929,7 +929,12 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
     templates = _Templates()
     missing = [r for r in range(min(world, MAX_LISTED)) if r not in files]
     n_missing = world - sum(1 for r in files if r < world)
-    for r in sorted(set(missing) | {r for r in files if r < world}):
+    ranks = sorted(set(missing) | {r for r in files if r < world})
+    for i, r in enumerate(ranks):
+        # between files: counts, problems so far, a preview once a file gave tensors (and
+        # cancellation) for a front end watching (core/phases.py)
+        progressed(i, len(ranks), layout,
+                   (lambda: _preview(layout, b, root)) if layout.tensors else None)
         name = (f"model_world_size_{world}_rank_{r}.pt" if kind == "verl"
                 else f"pytorch_model_fsdp_{min(groups)}_rank{r}.bin")
         fpath = files.get(r, str(root / name))
@@ -966,6 +971,7 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
             sf.status = "unreadable"
             layout.problems.append(Problem("unreadable-file", f"unexpected content "
                                            f"({type(e).__name__}: {e})", fpath))
+    progressed(len(ranks), len(ranks), layout)
     if n_missing > MAX_LISTED_PROBLEMS and not present_only:
         layout.problems.append(Problem(
             "missing-rank", f"{n_missing} of {world} ranks are missing (e.g. ranks "
@@ -1012,3 +1018,26 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
     hf = root / "huggingface"
     attach_config(layout, hf if hf.is_dir() else None)
     return layout
+
+
+def _preview(layout: CheckpointLayout, b: _Builder, root: Path) -> CheckpointLayout:
+    """What the rank files read so far say, for a front end to show while the others are
+    read (core/phases.py): a snapshot of ``layout`` with the mesh and parallel degrees as
+    far as known and the config attached; nothing judged that needs every file."""
+    snap = snapshot(layout)
+    if b.mesh:
+        snap.mesh_shape, snap.mesh_dim_names = b.mesh
+        snap.parallel = _mesh_parallel(b.mesh[0], b.mesh[1], b.kinds_by_dim())
+    elif snap.world_size > 1:
+        snap.parallel = {"fsdp": snap.world_size}
+    hf = root / "huggingface"
+    try:
+        attach_config(snap, hf if hf.is_dir() else None)
+        from ..native_names import convert  # torchtitan/torchtune names -> HF, as detect does
+
+        convert(snap)
+        snap.problems = [p for p in snap.problems if p.code not in (
+            "native-names-no-config", "unmapped-tensor", "config-mismatch", "shape-mismatch")]
+    except Exception:  # noqa: BLE001 - a preview; the full read records what is wrong
+        pass
+    return snap

@@ -20,7 +20,7 @@ from .. import megatron as mg
 from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
-from ..phases import phase
+from ..phases import phase, progressed
 from .common import contained, corrupt_is_bad, problem_for, stat_file
 from .torchsave import TensorRef, read_torch_archive
 
@@ -132,7 +132,8 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
     contents: dict[tuple, tuple[str, list[dict]]] = {}
     args: dict = {}
     args_file = ""
-    for key, rd in sorted(dirs.items(), key=lambda kv: str(kv[1])):
+    for i, (key, rd) in enumerate(sorted(dirs.items(), key=lambda kv: str(kv[1]))):
+        progressed(i, len(dirs), layout)
         f = _model_file(rd)
         sf = stat_file(str(f))
         layout.files.append(sf)

@@ -93,11 +93,15 @@ class BrowserScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self._sniff([self.path])
+        self.sniff_folders([self.path])
 
-    def _sniff(self, paths: list[str]) -> None:
+    def sniff_folders(self, paths: list[str]) -> None:
         """Sniff, in the background, each of ``paths`` not known nor being sniffed."""
-        todo = [p for p in dict.fromkeys(paths) if p not in self.marks and p not in self.pending]
+        # the checkpoint the app is reading now is marked from that read (app.py sends
+        # FolderDetected): a second full read beside it would halve the speed of both
+        opening = self.app.loading_path()
+        todo = [p for p in dict.fromkeys(paths) if p not in self.marks and p not in self.pending
+                and p != opening]
         if todo:
             self.pending.update(todo)
             self.sniff_all(todo)
@@ -107,7 +111,7 @@ class BrowserScreen(Screen):
         """The tree shows these folders: sniff each, and look inside those known to hold
         no checkpoint."""
         self.shown.update(msg.paths)
-        self._sniff(msg.paths)
+        self.sniff_folders(msg.paths)
         for p in msg.paths:
             if self.marks.get(p) == "":
                 self._look(p)
@@ -126,7 +130,8 @@ class BrowserScreen(Screen):
                 self._show(self.highlighted)
             else:
                 self.query_one("#detected", Label).update(f"{self.highlighted}: detecting…")
-                if self.highlighted not in self.pending:
+                if self.highlighted not in self.pending and \
+                        self.highlighted != self.app.loading_path():
                     self.pending.add(self.highlighted)
                     self.sniff(self.highlighted)
 
@@ -156,7 +161,7 @@ class BrowserScreen(Screen):
         except OSError:
             return
         if subs:
-            self.app.call_from_thread(self._sniff, subs)
+            self.app.call_from_thread(self.sniff_folders, subs)
 
     @on(FolderDetected)
     def _detected(self, msg: FolderDetected) -> None:
@@ -177,6 +182,11 @@ class BrowserScreen(Screen):
             self._show(msg.path)
         elif msg.summary and parent == self.highlighted and self.highlighted in self.marks:
             self._show(self.highlighted)  # its "checkpoints inside" list grew
+
+    def show_opening(self, path: str, text: str) -> None:
+        """The status line while the app reads the checkpoint ``path`` it opens (readers
+        that send counts but no preview: ``reading optimizer files 3/8``)."""
+        self.query_one("#detected", Label).update(f"opening {path}: {text}")
 
     def _show(self, path: str) -> None:
         summary = self.marks.get(path, "")
@@ -207,7 +217,7 @@ class BrowserScreen(Screen):
         tree.border_title = parent
         tree.path = parent
         self.shown.add(parent)
-        self._sniff([parent])
+        self.sniff_folders([parent])
         if self.marks.get(parent) == "":
             self._look(parent)
 
@@ -235,6 +245,13 @@ def folder_summary(path: str) -> str:
         return f"unreadable: {e.message}"
     except OSError as e:
         return f"unreadable: {e.strerror or e}"
+    return layout_summary(layout)
+
+
+def layout_summary(layout) -> str:
+    """The browser's mark for a read :class:`core.CheckpointLayout`: ``"fsdp, 2 rank(s)"``
+    (a Hugging Face folder: ``"hf, 1 file"``, it has no ranks), with the count of errors when
+    there are any."""
     if layout.format in ("hf", "hf-bin"):  # one model, no ranks: say how many weight files
         n = len(layout.files)
         summary = f"{layout.format}, {n} file{'s' if n != 1 else ''}"

@@ -10,8 +10,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import (DataTable, Footer, Header, Input, Static, TabbedContent,
-                             TabPane, Tree)
+from textual.widgets import (DataTable, Footer, Header, Input, Label, ProgressBar, Static,
+                             TabbedContent, TabPane, Tree)
 
 from shardscope.core import CheckpointLayout, TensorInfo
 from shardscope.tui.format import short_path
@@ -22,11 +22,20 @@ from shardscope.tui.widgets.shard_table import ShardTable
 from shardscope.tui.widgets.sharding_map import ShardingMapView
 
 
-def problems_text(layout: CheckpointLayout) -> str:
-    if not layout.problems:
+def problems_text(layout: CheckpointLayout, problems=None, reading: str | None = None) -> str:
+    """Rich markup listing ``problems`` (default: the layout's) and the layout's notes.
+    ``reading``: the files are still being read (e.g. ``rank files 37/1024``): never "no
+    problems found" then, only what was found so far."""
+    problems = layout.problems if problems is None else problems
+    if reading is not None:
+        head = (f"[b red]{len(problems)} problem(s) so far[/]" if problems
+                else "[dim]no problems so far[/]")
+        lines = [head + f" [dim](reading {reading})[/]"]
+    elif not problems:
         return "[green]no problems found[/]"
-    lines = [f"[b red]{len(layout.problems)} problem(s)[/]"]
-    for p in layout.problems:
+    else:
+        lines = [f"[b red]{len(problems)} problem(s)[/]"]
+    for p in problems:
         color = "red" if p.severity == "error" else "yellow"
         where = os.path.basename(p.path) if p.path else ""
         lines.append(f"[{color}]{p.code}[/] {where}: {p.message}")
@@ -65,9 +74,23 @@ class InspectorScreen(Screen):
         Binding("escape", "back", "Back", id="back", tooltip="Back to the browser"),
     ]
 
-    def __init__(self, layout: CheckpointLayout):
+    def __init__(self, layout: CheckpointLayout, loading: tuple[str, object] | None = None):
+        """``layout``: the checkpoint's full layout; or, with ``loading`` = (path opened, its
+        first :class:`core.phases.ReadProgress`), the reader's preview while the other files
+        are read: the screen shows a progress bar and refuses what needs every file until
+        :meth:`show_loaded` gives it the full layout."""
         super().__init__()
         self.ckpt = layout
+        #: the path being read while this screen shows a preview (None: loaded)
+        self.loading_path: str | None = loading[0] if loading else None
+        #: the latest :class:`core.phases.ReadProgress` while loading
+        self.progress = loading[1] if loading else None
+        #: the reader's error when reading failed after the preview
+        self.failed: str | None = None
+        #: set (a ``threading.Event``, given by the app) once the preview is painted
+        self.shown = None
+        #: the full layout when it arrived before this screen was mounted
+        self._pending: CheckpointLayout | None = None
         #: the tensor whose statistics the panel shows or is reading (None: no tensor)
         self.stats_for: str | None = None
         #: the architecture check's verdict, once the background worker has posted it
@@ -75,8 +98,21 @@ class InspectorScreen(Screen):
         # set before mount: a title set in on_mount races the Header's own mount
         self.title = f"shardscope — {os.path.basename(os.path.abspath(layout.path))}"
 
+    def _problems(self) -> list:
+        if self.progress is not None and self.loading_path is not None:
+            return list(self.progress.problems)
+        return self.ckpt.problems
+
+    def _reading(self) -> str | None:
+        p = self.progress
+        return f"{p.what} {p.done}/{p.total}" if self.loading_path and p is not None else None
+
     def compose(self) -> ComposeResult:
         yield Header()
+        if self.loading_path is not None and self.progress is not None:
+            with Horizontal(id="loading"):
+                yield Label(self.progress.text, id="loading-text")
+                yield ProgressBar(total=self.progress.total, show_eta=False, id="loading-bar")
         with Horizontal():
             with Vertical(id="left"):
                 summary = LayoutSummary(self.ckpt, id="summary")
@@ -84,18 +120,19 @@ class InspectorScreen(Screen):
                 yield summary
                 # files and problems share the rest of the column (80x24); the problems
                 # tab opens first when there are problems
-                count = len(self.ckpt.problems)
+                count = len(self._problems())
                 with TabbedContent(id="files-problems",
                                    initial="tab-problems" if count else "tab-files"):
-                    with TabPane(f"files ({len(self.ckpt.files)})", id="tab-files"):
+                    with TabPane(f"files ({len(self.ckpt.files)}"
+                                 + (" so far)" if self.progress else ")"), id="tab-files"):
                         shards = ShardTable(self.ckpt, id="shards")
                         shards.border_title = "shard files" + (
                             "" if any(f.status != "ok" for f in self.ckpt.files)
                             else ", all ok")
                         yield shards
-                    with TabPane(f"problems ({count})" if count else "no problems",
-                                 id="tab-problems"):
-                        problems = Static(problems_text(self.ckpt), id="problems")
+                    with TabPane(self._problems_label(), id="tab-problems"):
+                        problems = Static(problems_text(self.ckpt, self._problems(),
+                                                        self._reading()), id="problems")
                         problems.border_title = "problems"
                         yield VerticalScroll(problems, id="problems-box")
             with Vertical(id="right"):
@@ -120,13 +157,106 @@ class InspectorScreen(Screen):
                         yield stats
         yield Footer()
 
+    def _problems_label(self) -> str:
+        count = len(self._problems())
+        if self.loading_path is not None and self.progress is not None:
+            return f"problems ({count} so far)"
+        return f"problems ({count})" if count else "no problems"
+
     def on_mount(self) -> None:
+        self._setup()
+        if self.loading_path is None:
+            self.call_after_refresh(self.run_check)  # after the first screen: it imports torch
+        else:
+            self.show_progress(self.progress)
+            self.query_one("#summary", LayoutSummary).border_subtitle = \
+                "[dim]from the first rank file(s)[/]"
+            if self.shown is not None:
+                self.call_after_refresh(self.shown.set)
+            if self._pending is not None:  # the full layout came before the first paint
+                self.call_after_refresh(self.show_loaded, self._pending)
+
+    def _setup(self) -> None:
+        """What the widgets need after each compose (first mount, and :meth:`show_loaded`)."""
         self.query_one("#filter", Input).display = False
         self.query_one("#filter", Input).cursor_blink = False  # no repainting animation
         self.query_one("#pieces", DataTable).add_columns("rank", "offsets", "shape",
                                                          "bytes at", "file")
         self.query_one("#params", ParamTree).focus()
-        self.call_after_refresh(self.run_check)  # after the first screen: it imports torch
+
+    def show_progress(self, progress) -> None:
+        """Show a :class:`core.phases.ReadProgress` of the files still being read: the bar,
+        its text and the problems found so far."""
+        if self.loading_path is None or self.progress is None:
+            return
+        self.progress = progress
+        self.query_one("#loading-text", Label).update(progress.text)
+        self.query_one("#loading-bar", ProgressBar).update(total=progress.total,
+                                                           progress=progress.done)
+        self.query_one("#problems", Static).update(
+            problems_text(self.ckpt, self._problems(), self._reading()))
+        self.query_one("#files-problems", TabbedContent).get_tab("tab-problems").label = \
+            self._problems_label()
+
+    async def show_loaded(self, layout: CheckpointLayout) -> None:
+        """Take the full layout: the progress bar goes, the widgets show ``layout``, the
+        tree cursor stays on the same tensor, the active tabs and the filter stay (but a
+        layout with problems opens its problems tab, as the inspector always does), and the
+        architecture check starts."""
+        if not self.is_mounted:  # pushed, not mounted yet: on_mount takes it
+            self._pending = layout
+            return
+        self._pending = None
+        selected = self.selected_tensor()
+        tabs = (self.query_one("#files-problems", TabbedContent).active,
+                self.query_one("#detail", TabbedContent).active)
+        box = self.query_one("#filter", Input)
+        query = box.value if box.display else None
+        self.ckpt, self.progress = layout, None
+        self.stats_for = None
+        await self.recompose()
+        self._setup()
+        self.loading_path = None
+        problems, detail = self.query_one("#files-problems", TabbedContent), \
+            self.query_one("#detail", TabbedContent)
+        # a checkpoint with problems opens on them, as it would have without a preview
+        problems.active = "tab-problems" if layout.problems else tabs[0]
+        detail.active = tabs[1]
+        tree = self.query_one("#params", ParamTree)
+        if query:
+            box = self.query_one("#filter", Input)
+            box.display = True
+            box.value = query
+            tree.set_filter(query)
+        node = tree.find(selected.name) if selected is not None else None
+        if node is not None:
+            tree.reveal(node)
+        self.call_after_refresh(self.run_check)
+
+    def show_failed(self, error: str) -> None:
+        """Reading the files failed after the preview: say so on this screen (the bar's line
+        turns into the error; merging stays refused)."""
+        self.failed, self.loading_path = error, None
+        self.query_one("#loading-bar", ProgressBar).display = False
+        text = self.query_one("#loading-text", Label)
+        text.update(f"reading failed: {error}")
+        text.add_class("failed")
+        self.query_one("#problems", Static).update(f"[b red]reading failed:[/] {error}")
+        self.query_one("#files-problems", TabbedContent).active = "tab-problems"
+
+    def refused(self, what: str) -> bool:
+        """True (and a notice saying why) when ``what`` needs every file and they are still
+        being read, or reading them failed."""
+        if self.failed is not None:
+            self.notify(f"{what}: reading the checkpoint failed: {self.failed}",
+                        severity="error")
+            return True
+        if self.loading_path is not None:
+            self.notify(f"{what} needs every file: still "
+                        f"{self.progress.text if self.progress else 'reading them'}",
+                        severity="warning")
+            return True
+        return False
 
     @work(thread=True, group="check", exclusive=True, exit_on_error=False,
           description="architecture check")
@@ -152,6 +282,8 @@ class InspectorScreen(Screen):
         return True
 
     def action_map(self) -> None:
+        if self.refused("the sharding map"):
+            return
         self.query_one("#detail", TabbedContent).active = "tab-map"
 
     def action_names(self) -> None:
@@ -166,6 +298,14 @@ class InspectorScreen(Screen):
 
     def action_back(self) -> None:
         box = self.query_one("#filter", Input)
+        if self.loading_path is not None and not box.display:  # stop reading, go back
+            self.app.cancel_loading()
+            self.loading_path = None
+            if self.shown is not None:
+                self.shown.set()  # a reader waiting for the first paint: on to its cancel
+            if len(self.app.screen_stack) > 2:
+                self.app.pop_screen()
+            return
         if box.display:
             box.value = ""
             box.display = False
@@ -197,8 +337,11 @@ class InspectorScreen(Screen):
             return
         table.border_title = f"{t.name}: {list(t.shape)} {t.dtype} {t.placement}" + (
             f" ← {t.source}" if t.source and t.source != t.name else "")
+        if self.loading_path is not None and self.progress is not None:
+            table.border_title += f" (pieces read so far, {self.progress.text})"
         self._reset_stats(t)
-        self.query_one("#map", ShardingMapView).show(t, self.ckpt)
+        if self.loading_path is None and self.failed is None:
+            self.query_one("#map", ShardingMapView).show(t, self.ckpt)
         for p in sorted(t.pieces, key=lambda p: p.global_offsets):
             table.add_row("" if p.rank is None else str(p.rank), str(list(p.global_offsets)),
                           str(list(p.shape)),
@@ -222,6 +365,8 @@ class InspectorScreen(Screen):
                    else "[dim]s: statistics of the selected tensor[/]")
 
     def action_stats(self) -> None:
+        if self.refused("statistics"):
+            return
         t = self.selected_tensor()
         box = self.query_one("#stats", Static)
         if t is None:
@@ -251,6 +396,8 @@ class InspectorScreen(Screen):
             self.query_one("#stats", Static).update(msg.text)
 
     def action_compare(self) -> None:
+        if self.refused("compare"):
+            return
         from shardscope.tui.screens.compare import ComparePathScreen, CompareScreen
 
         def start(choice: dict | None) -> None:
@@ -263,6 +410,8 @@ class InspectorScreen(Screen):
         self.app.push_screen(ComparePathScreen(os.path.join(parent, "")), start)
 
     def action_merge(self) -> None:
+        if self.refused("merge"):
+            return
         from shardscope.tui.screens.merge_options import MergeOptionsScreen
         from shardscope.tui.screens.merge_run import MergeRunScreen
 

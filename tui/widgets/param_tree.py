@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from rich.text import Text
 from textual.widgets import Tree
 
 from shardscope.core.plan import natural_key
@@ -31,10 +32,13 @@ def fuzzy_match(query: str, name: str) -> bool:
     return True
 
 
-def tensor_label(key: str, v) -> str:
-    """The inspector's leaf: last name part, shape, dtype, placement, size."""
-    return (f"{key}  [b]{list(v.shape)}[/] {v.dtype} {v.placement} "
-            f"[dim]{human_count(v.numel)} el, {human_bytes(v.nbytes)}[/]")
+def tensor_label(key: str, v) -> Text:
+    """The inspector's leaf: last name part, shape, dtype, placement, size. Built as a
+    :class:`rich.text.Text`, not markup: parsing markup was half the cost of the tree of a
+    thousand tensors."""
+    return Text.assemble(f"{key}  ", (str(list(v.shape)), "bold"),
+                         f" {v.dtype} {v.placement} ",
+                         (f"{human_count(v.numel)} el, {human_bytes(v.nbytes)}", "dim"))
 
 
 class ParamTree(Tree[Any]):
@@ -102,6 +106,16 @@ class ParamTree(Tree[Any]):
             stack[:0] = list(node.children)
         return None
 
+    def find(self, name: str):
+        """The leaf of the tensor called ``name``, or None (not there, or filtered out)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.data is not None and getattr(node.data, "name", None) == name:
+                return node
+            stack.extend(node.children)
+        return None
+
     def reveal(self, node) -> None:
         """Expand ``node``'s parents and put the cursor on it."""
         p = node.parent
@@ -137,9 +151,9 @@ class ParamTree(Tree[Any]):
     def _top(self, v):
         return max(self.rank(x) for x in self._items(v))
 
-    def _group_label(self, text: str, v) -> str:
+    def _group_label(self, text: str, v) -> str | Text:
         if self.group_note is None:
-            return text
+            return Text(text)  # plain: no markup to parse
         return f"{text}  {self.group_note(self._items(v))}"
 
     def _add(self, parent, tree: dict, expand: bool) -> None:
