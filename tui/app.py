@@ -119,8 +119,9 @@ class ShardscopeApp(App):
             screen.shown = msg.shown
             self.push_screen(screen)
             return
-        elif self._current(msg.path) and hasattr(self.screen, "show_opening"):
-            self.screen.show_opening(msg.path, msg.progress.text)  # a reader without preview
+        elif self._current(msg.path) and self.screen_stack and hasattr(
+                self.screen_stack[-1], "show_opening"):  # no stack yet: the app is starting
+            self.screen_stack[-1].show_opening(msg.path, msg.progress.text)  # no preview
         if msg.shown is not None:
             msg.shown.set()
 
