@@ -84,6 +84,39 @@ def test_crc_records_cover_every_piece_of_a_merge(fixtures_root, megatron_root, 
     assert not records and [Path(u).name for u in unchecked] == ["model.safetensors"]
 
 
+def test_crc_check_of_a_file_finds_the_one_damaged_small_record(fixtures_root, tmp_path):
+    """check_file reads a rank file's small records together (spans of up to CHUNK bytes):
+    a byte flipped in one record in the middle of a span fails that record and no other, the
+    refusal names its tensor; a file cut short fails the first record past the cut."""
+    import threading
+
+    from shardscope.core.integrity import CrcChecker, check_file, plan_records
+
+    copy_checkpoint(fixtures_root / "w3-llama-f32", tmp_path / "ck")
+    plan = plan_merge(detect(tmp_path / "ck"), MergeOptions(str(tmp_path / "out")))
+    records, _ = plan_records(plan)
+    by_file: dict[str, list] = {}
+    for r in records:
+        by_file.setdefault(r.file, []).append(r)
+    path, recs = max(by_file.items(), key=lambda kv: len(kv[1]))
+    recs.sort(key=lambda r: r.start)
+    assert len(recs) > 4 and check_file(recs) is None
+    victim = [r for r in recs if r.size][len(recs) // 2]
+    data = bytearray(Path(path).read_bytes())
+    data[victim.start + victim.size // 2] ^= 0x10
+    Path(path).write_bytes(data)
+    assert check_file(recs) is victim
+    checker = CrcChecker(records, threading.Event(), 2)
+    checker.start()
+    with pytest.raises(Exception) as e:
+        checker.result()
+    assert victim.tensors[0] in str(e.value) and "CRC-32" in str(e.value)
+    data[victim.start + victim.size // 2] ^= 0x10  # repaired, then cut inside a later record
+    last = recs[-1]
+    Path(path).write_bytes(bytes(data[:last.start + max(1, last.size // 2)]))
+    assert check_file(recs) is (last if last.size > 1 else None)
+
+
 # -- 2, 8, 9: what PATH is ---------------------------------------------------------------------
 
 def test_a_file_that_is_not_a_checkpoint(fixtures_root, tmp_path):
