@@ -102,14 +102,17 @@ def test_templates_give_the_full_parse_layout(fixtures_root, monkeypatch, recogn
 
 def test_a_rank_file_of_another_rank_in_a_recognised_run_is_caught(fixtures_root, tmp_path,
                                                                    recognised):
-    """Rank 1's file copied over rank 0's (same local shapes, so its pickle matches the
-    template but for the coordinate): rank 0's rows are missing, a coverage gap."""
+    """Rank 1's file copied over rank 2's (same local shapes, so its pickle matches the
+    template but for the coordinate): refused as a duplicate of rank 1's file."""
     ck = copy_checkpoint(fixtures_root / "w4-fsdp2", tmp_path / "ck")
     (ck / "model_world_size_4_rank_2.pt").write_bytes(
         (ck / "model_world_size_4_rank_1.pt").read_bytes())
     layout = detect(ck)
     assert recognised[2], recognised
-    assert any(p.code == "coverage-gap" for p in layout.errors), _problems(layout)
+    # one error naming both files (the reader's duplicate-rank), not a coverage gap per tensor
+    dup = [p for p in layout.errors if p.code == "duplicate-rank"]
+    assert len(dup) == 1 and "model_world_size_4_rank_1.pt" in dup[0].message, \
+        _problems(layout)
 
 
 def _codes(layout, name):
@@ -119,12 +122,14 @@ def _codes(layout, name):
 def test_a_rank_file_with_another_ranks_coordinate_is_caught(w3, recognised):
     """Rank 1's file says it holds rank 0's shard: its pickle matches rank 0's but for the
     coordinate, so it is recognised, and the placement arithmetic at that coordinate shows
-    the clash (two files hold one box and rank 1's box is not covered)."""
+    the clash: a duplicate of rank 0's file (two files hold one box)."""
     f = w3 / "model_world_size_3_rank_1.pt"
     _rewrite(f, edit_pickle=_coordinate_to(0))
     layout = detect(w3)
     assert recognised == [False, True, False], recognised  # rank 2 holds fewer rows
-    assert any(p.code == "coverage-gap" for p in layout.errors), _problems(layout)
+    dup = [p for p in layout.errors if p.code == "duplicate-rank"]
+    assert len(dup) == 1 and "model_world_size_3_rank_0.pt" in dup[0].message, \
+        _problems(layout)
 
 
 def test_a_flipped_byte_in_a_recognised_pickle_is_caught(w3):
