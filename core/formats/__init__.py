@@ -107,7 +107,8 @@ def _other_checkpoints(layout: CheckpointLayout, others, read) -> None:
     save beside FSDP rank files, HF Trainer's ``model.safetensors`` beside DeepSpeed's
     ``global_stepN/``): the readers ``others`` also recognised the folder; each that reads
     files disjoint from ``layout``'s (not the same files under another reading, as Megatron's
-    torch_dist is DCP, or one rank file is a single .pt) adds a ``several-checkpoints``
+    torch_dist is DCP, or one rank file is a single .pt) and tensors of the same names (not a
+    stray tensor file: saved logits, an RNG state) adds a ``several-checkpoints``
     warning naming what was read and what was not, and how to read the other one."""
     from ..layout import Problem
 
@@ -118,8 +119,8 @@ def _other_checkpoints(layout: CheckpointLayout, others, read) -> None:
         except (BadCheckpointError, OSError):
             continue  # not a readable checkpoint: nothing to mix up
         theirs = _weight_files(other)
-        if not theirs or theirs & mine:
-            continue
+        if not theirs or theirs & mine or not set(other.tensors) & set(layout.tensors):
+            continue  # the same files, or tensors of no common name (logits, rng state)
         first = sorted(theirs)[0]
         layout.problems.append(Problem(
             "several-checkpoints",
