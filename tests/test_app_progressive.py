@@ -106,6 +106,7 @@ async def test_preview_then_full_layout(fixtures_root, tmp_path, monkeypatch):
             screen.query_one("#files-problems").get_tab("tab-problems").label)
         await select(pilot, tree, NAME)
         pieces = screen.query_one("#pieces")
+        await wait_for(pilot, lambda: pieces.row_count >= 1)  # the highlight's message, in turn
         assert 1 <= pieces.row_count <= 2 and "pieces read so far" in str(pieces.border_title)
         # what needs every file is refused, saying why; no architecture check yet
         await pilot.press("m")
