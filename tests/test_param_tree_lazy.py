@@ -1,0 +1,93 @@
+"""The parameter tree built lazily (a group's children added when it is first expanded) shows
+the same tree as the one built whole: same nodes, labels, order and open groups, the same
+filter, rank order, find/reveal and first leaf. Layout read from the real w4-fsdp2 fixture
+(torch.distributed gloo run); the lazy tree is forced with ``LAZY_AT = 0``, closed groups with ``OPEN_BELOW = 0``."""
+
+from __future__ import annotations
+
+import pytest
+from textual.app import App
+
+from shardscope.core import detect
+from shardscope.tui.widgets.param_tree import ParamTree
+from tests.conftest import wait_for
+
+
+def shape(node, depth=0, out=None) -> list:
+    """Every built node under ``node``: (depth, label, tensor name, open)."""
+    out = [] if out is None else out
+    out.append((depth, str(node.label), getattr(node.data, "name", None), node.is_expanded))
+    for c in node.children:
+        shape(c, depth + 1, out)
+    return out
+
+
+class Trees(App):
+    def __init__(self, tensors):
+        super().__init__()
+        self.tensors = tensors
+
+    def compose(self):
+        eager = ParamTree(self.tensors, id="eager")
+        eager.LAZY_AT = 10 ** 9
+        lazy = ParamTree(self.tensors, id="lazy")
+        lazy.LAZY_AT = 0
+        for tree in (eager, lazy):  # groups closed at first, as in a big model's tree
+            tree.OPEN_BELOW = 0
+        yield eager
+        yield lazy
+
+
+@pytest.mark.asyncio
+async def test_lazy_tree_is_the_eager_tree(fixtures_root):
+    tensors = detect(fixtures_root / "w4-fsdp2").tensors
+    names = list(tensors)
+    app = Trees(tensors)
+    async with app.run_test(size=(100, 40)) as pilot:
+        eager = app.query_one("#eager", ParamTree)
+        lazy = app.query_one("#lazy", ParamTree)
+        await wait_for(pilot, lambda: eager.root.children and lazy.root.children)
+        # at first the lazy tree holds only what is open: fewer nodes, no leaf
+        assert len(lazy._tree_nodes) < len(eager._tree_nodes)
+        assert lazy._leaf == {} and len(eager._leaf) == len(names)
+        # what is shown is the same
+        assert [(d, lab, n, o) for d, lab, n, o in shape(lazy.root) if d <= 1] == \
+            [(d, lab, n, o) for d, lab, n, o in shape(eager.root) if d <= 1]
+        # leaves in display order, first leaf, find: the same, and building does not open
+        assert [n.data.name for n in lazy.leaves()] == [n.data.name for n in eager.leaves()]
+        assert sorted(n.data.name for n in lazy.leaves()) == sorted(names)
+        lazy.rebuild()
+        assert lazy.first_leaf().data.name == eager.first_leaf().data.name
+        lazy.rebuild()
+        name = names[len(names) // 2]
+        node = lazy.find(name)
+        assert node is not None and node.data.name == name and not node.parent.is_expanded
+        assert lazy.find("no.such.tensor") is None
+        lazy.reveal(node)
+        await pilot.pause(0.05)
+        assert lazy.cursor_node is node
+        # expanding everything gives the eager tree, node for node
+        lazy.rebuild()
+        eager.rebuild()
+        lazy.root.expand_all()
+        eager.root.expand_all()
+        assert shape(lazy.root) == shape(eager.root)
+        # a filter (opens every match) and a rank order (largest first, its top block open)
+        for tree in (eager, lazy):
+            tree.set_filter("weight")
+        assert shape(lazy.root) == shape(eager.root)
+        assert len(lazy.leaves()) == len([n for n in names if "weight" in n]) > 0
+        for tree in (eager, lazy):
+            tree.set_filter("")
+            tree.set_rank(lambda t: t.numel)
+        assert [n.data.name for n in lazy.leaves()] == [n.data.name for n in eager.leaves()]
+        assert [s for s in shape(lazy.root) if s[3]] == [s for s in shape(eager.root) if s[3]]
+        # the user opening a closed group with the keyboard sees its children
+        lazy.set_rank(None)
+        lazy.focus()
+        lazy.move_cursor(lazy.root.children[0])
+        await pilot.pause(0.05)
+        group = lazy.cursor_node
+        assert group.data is None and not group.children and not group.is_expanded
+        await pilot.press("space")
+        await wait_for(pilot, lambda: group.is_expanded and group.children)
