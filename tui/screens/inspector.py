@@ -303,15 +303,14 @@ class InspectorScreen(Screen):
             self.loading_path = None
             if self.shown is not None:
                 self.shown.set()  # a reader waiting for the first paint: on to its cancel
-            if len(self.app.screen_stack) > 2:
-                self.app.pop_screen()
+            self.app.back()
             return
         if box.display:
             box.value = ""
             box.display = False
             self.query_one("#params", ParamTree).focus()
-        elif len(self.app.screen_stack) > 2:
-            self.app.pop_screen()
+        else:
+            self.app.back()
 
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:

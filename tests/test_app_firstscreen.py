@@ -1,7 +1,8 @@
-"""The parameter tree built lazily (a group's children added when it is first expanded) shows
+"""The first screen's savings. The parameter tree built lazily (a group's children added when it is first expanded) shows
 the same tree as the one built whole: same nodes, labels, order and open groups, the same
 filter, rank order, find/reveal and first leaf. Layout read from the real w4-fsdp2 fixture
-(torch.distributed gloo run); the lazy tree is forced with ``LAZY_AT = 0``, closed groups with ``OPEN_BELOW = 0``."""
+(torch.distributed gloo run); the lazy tree is forced with ``LAZY_AT = 0``, closed groups with ``OPEN_BELOW = 0``.
+Started on a checkpoint, the app mounts the browser only when the user goes back to it."""
 
 from __future__ import annotations
 
@@ -91,3 +92,37 @@ async def test_lazy_tree_is_the_eager_tree(fixtures_root):
         assert group.data is None and not group.children and not group.is_expanded
         await pilot.press("space")
         await wait_for(pilot, lambda: group.is_expanded and group.children)
+
+
+@pytest.mark.asyncio
+async def test_started_on_a_checkpoint_the_browser_comes_on_escape(fixtures_root, monkeypatch):
+    """Started on a checkpoint, the app mounts no browser before the inspector; escape then
+    opens the browser on that folder, marked from the app's read (not read a second time)."""
+    from shardscope.tui.app import make_app
+    from shardscope.tui.screens.browser import BrowserScreen
+    from shardscope.tui.screens.inspector import InspectorScreen
+    from tests.conftest import inspector_ready
+
+    src = fixtures_root / "w4-fsdp2"
+    reads = []
+    app = make_app(str(src))
+    async with app.run_test(size=(110, 34)) as pilot:
+        await inspector_ready(pilot, app)
+        assert not any(isinstance(s, BrowserScreen) for s in app.screen_stack)
+        import shardscope.core as core
+        monkeypatch.setattr(core, "detect", lambda *a, **k: reads.append(a) or 1 / 0)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: isinstance(app.screen, BrowserScreen))
+        browser = app.screen
+        assert browser.path == str(src)
+        assert not any(isinstance(s, InspectorScreen) for s in app.screen_stack)
+        assert browser.marks[str(src)] == "fsdp, 4 rank(s)"
+        await pilot.pause(0.3)
+        assert str(src) not in browser.pending and reads == []
+        assert "fsdp, 4 rank(s)" in str(browser.query_one("#detected").render())
+        # and opening it again from there works
+        monkeypatch.undo()
+        await pilot.press("o")
+        await inspector_ready(pilot, app)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is browser)
