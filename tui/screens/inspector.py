@@ -10,12 +10,13 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import (DataTable, Footer, Header, Input, Label, ProgressBar, Static,
+from textual.widgets import (DataTable, Header, Input, Label, ProgressBar, Static,
                              TabbedContent, TabPane, Tree)
 
 from shardscope.core import CheckpointLayout, TensorInfo
 from shardscope.tui.format import short_path
 from shardscope.tui.messages import ArchitectureChecked, StatsComputed
+from shardscope.tui.widgets.footer import Footer
 from shardscope.tui.widgets.layout_summary import LayoutSummary
 from shardscope.tui.widgets.param_tree import ParamTree
 from shardscope.tui.widgets.shard_table import ShardTable
