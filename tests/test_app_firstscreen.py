@@ -126,3 +126,32 @@ async def test_started_on_a_checkpoint_the_browser_comes_on_escape(fixtures_root
         await inspector_ready(pilot, app)
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.screen is browser)
+
+
+@pytest.mark.asyncio
+async def test_progress_before_the_loading_screen_is_composed(fixtures_root):
+    """The reader waits at most 3 s for the preview's first paint, then goes on: its next
+    progress report (or its failure) may reach the pushed inspector before it is composed.
+    Kept, and shown once it is (seen once under load: NoMatches '#loading-text')."""
+    from textual.widgets import Label, ProgressBar
+
+    from shardscope.core.phases import ReadProgress
+    from shardscope.tui.screens.inspector import InspectorScreen
+
+    src = fixtures_root / "w4-fsdp2"
+    layout = detect(src)
+    screen = InspectorScreen(layout, loading=(str(src), ReadProgress(1, 4, preview=layout)))
+    screen.show_progress(ReadProgress(3, 4))  # not composed: no widget to update yet
+    app = App()
+    async with app.run_test(size=(110, 34)) as pilot:
+        await app.push_screen(screen)
+        await wait_for(pilot, lambda: screen.is_mounted)
+        assert screen.query_one("#loading-bar", ProgressBar).progress == 3
+        assert "3/4" in str(screen.query_one("#loading-text", Label).render())
+        failing = InspectorScreen(layout, loading=(str(src), ReadProgress(1, 4, preview=layout)))
+        failing.show_failed("rank 3: truncated")
+        await app.push_screen(failing)
+        await wait_for(pilot, lambda: failing.is_mounted and failing.failed is not None)
+        await pilot.pause(0.05)
+        assert "reading failed: rank 3: truncated" in \
+            str(failing.query_one("#loading-text", Label).render())
