@@ -138,6 +138,9 @@ async def main():
     async with app.run_test(size=(110, 34)) as pilot:
         while not (isinstance(app.screen, InspectorScreen) and app.screen.is_mounted):
             await pilot.pause(0.01)
+        # painted: the screen sets the reader's event after its first refresh
+        while getattr(app.screen, "shown", None) is not None and not app.screen.shown.is_set():
+            await pilot.pause(0.01)
         out.update(first=time.perf_counter() - t0, first_cpu=cpu(),
                    loading=getattr(app.screen, "loading_path", None) is not None)
         while getattr(app.screen, "loading_path", None) is not None or not app.screen.is_mounted:

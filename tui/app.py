@@ -31,6 +31,11 @@ class ShardscopeApp(App):
         self.start_path = os.path.abspath(path or os.getcwd())
         #: the checkpoint being read: (path opened, its cancel event), None when none
         self._loading: tuple[str, threading.Event] | None = None
+        #: the folder the app was started in (or the checkpoint file's folder)
+        self._folder = ""
+        #: path -> summary of the layout the app read there, for a
+        #: browser mounted later
+        self._known: dict[str, str] = {}
 
     def on_mount(self) -> None:
         from shardscope.core.formats import _readers
@@ -38,9 +43,26 @@ class ShardscopeApp(App):
 
         folder = self.start_path if os.path.isdir(self.start_path) else \
             os.path.dirname(self.start_path)
-        self.push_screen(BrowserScreen(folder))
+        self._folder = folder
         if any(mod.sniff(folder) for _, mod in _readers()):
+            # the browser is mounted when the user goes back to it (:meth:`back`): the first
+            # screen is the inspector, and mounting a screen never shown costs ~0.3 CPU s
             self.open_checkpoint(folder)
+        else:
+            self.push_screen(BrowserScreen(folder))
+
+    def back(self) -> None:
+        """Leave the top screen for the one under it, or for a new browser on the folder the
+        app was started in when there is none (the app opened a checkpoint at once); it
+        knows what the app read there."""
+        from shardscope.tui.screens.browser import BrowserScreen
+
+        if len(self.screen_stack) > 2:
+            self.pop_screen()
+            return
+        browser = BrowserScreen(self._folder)
+        browser.marks.update(self._known)
+        self.switch_screen(browser)
 
     def open_checkpoint(self, path: str) -> None:
         """Read ``path``'s layout in a thread. The inspector opens on the reader's preview
@@ -100,6 +122,8 @@ class ShardscopeApp(App):
 
         if path is None:
             return
+        if layout is not None:
+            self._known[path] = layout_summary(layout)
         for s in self.screen_stack:
             if isinstance(s, BrowserScreen) and path not in s.marks:
                 if layout is None:

@@ -367,13 +367,7 @@ class CompareScreen(Screen):
 
     def rows(self) -> list[str]:
         """The tensor names in the tree's display order (every group expanded or not)."""
-        out, stack = [], [self.query_one("#diff-tree", ParamTree).root]
-        while stack:
-            node = stack.pop(0)
-            if node.data is not None:
-                out.append(node.data.name)
-            stack[:0] = list(node.children)
-        return out
+        return [n.data.name for n in self.query_one("#diff-tree", ParamTree).leaves()]
 
     def action_sort(self) -> None:
         self.by_change = not self.by_change

@@ -10,12 +10,13 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import (DataTable, Footer, Header, Input, Label, ProgressBar, Static,
+from textual.widgets import (DataTable, Header, Input, Label, ProgressBar, Static,
                              TabbedContent, TabPane, Tree)
 
 from shardscope.core import CheckpointLayout, TensorInfo
 from shardscope.tui.format import short_path
 from shardscope.tui.messages import ArchitectureChecked, StatsComputed
+from shardscope.tui.widgets.footer import Footer
 from shardscope.tui.widgets.layout_summary import LayoutSummary
 from shardscope.tui.widgets.param_tree import ParamTree
 from shardscope.tui.widgets.shard_table import ShardTable
@@ -91,6 +92,8 @@ class InspectorScreen(Screen):
         self.shown = None
         #: the full layout when it arrived before this screen was mounted
         self._pending: CheckpointLayout | None = None
+        #: composed and mounting (widgets can be queried)
+        self._ready = False
         #: the tensor whose statistics the panel shows or is reading (None: no tensor)
         self.stats_for: str | None = None
         #: the architecture check's verdict, once the background worker has posted it
@@ -164,6 +167,7 @@ class InspectorScreen(Screen):
         return f"problems ({count})" if count else "no problems"
 
     def on_mount(self) -> None:
+        self._ready = True
         self._setup()
         if self.loading_path is None:
             self.call_after_refresh(self.run_check)  # after the first screen: it imports torch
@@ -190,6 +194,8 @@ class InspectorScreen(Screen):
         if self.loading_path is None or self.progress is None:
             return
         self.progress = progress
+        if not self._ready:  # pushed, not composed yet (the reader stopped waiting for the
+            return  # first paint after 3 s): on_mount shows the latest
         self.query_one("#loading-text", Label).update(progress.text)
         self.query_one("#loading-bar", ProgressBar).update(total=progress.total,
                                                            progress=progress.done)
@@ -236,6 +242,9 @@ class InspectorScreen(Screen):
     def show_failed(self, error: str) -> None:
         """Reading the files failed after the preview: say so on this screen (the bar's line
         turns into the error; merging stays refused)."""
+        if not self._ready:  # pushed, not composed yet: once it is (the screen's queue runs
+            self.call_later(self.show_failed, error)  # after its compose and mount)
+            return
         self.failed, self.loading_path = error, None
         self.query_one("#loading-bar", ProgressBar).display = False
         text = self.query_one("#loading-text", Label)
@@ -303,15 +312,14 @@ class InspectorScreen(Screen):
             self.loading_path = None
             if self.shown is not None:
                 self.shown.set()  # a reader waiting for the first paint: on to its cancel
-            if len(self.app.screen_stack) > 2:
-                self.app.pop_screen()
+            self.app.back()
             return
         if box.display:
             box.value = ""
             box.display = False
             self.query_one("#params", ParamTree).focus()
-        elif len(self.app.screen_stack) > 2:
-            self.app.pop_screen()
+        else:
+            self.app.back()
 
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:
