@@ -272,7 +272,8 @@ def test_kill_9_leaves_no_output_and_the_next_run_cleans_up(fixtures_root, tmp_p
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT,
                              str(fixtures_root / "w4-fsdp2"), str(out)], cwd=ROOT)
-    deadline = time.time() + 60
+    # planning first (a cold architecture check imports transformers: slow on a busy machine)
+    deadline = time.time() + 300
     while time.time() < deadline and not any((tmp_path.glob(".out.shardscope-tmp-*"))):
         time.sleep(0.02)
     time.sleep(0.5)
@@ -295,7 +296,8 @@ def test_ctrl_c_exits_130_and_removes_the_temporary_folder(fixtures_root, tmp_pa
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT,
                              str(fixtures_root / "w4-fsdp2"), str(out)], cwd=ROOT,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
+    # planning first (a cold architecture check imports transformers: slow on a busy machine)
+    deadline = time.time() + 300
     while time.time() < deadline and not any((tmp_path.glob(".out.shardscope-tmp-*"))):
         time.sleep(0.02)
     time.sleep(0.5)
