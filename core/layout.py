@@ -299,25 +299,3 @@ def _coverage_problems(t: TensorInfo) -> list[Problem]:
         problems.append(Problem("coverage-gap", f"{t.name}: pieces hold {total} of {t.numel} "
                                                 "elements", t.pieces[0].file if t.pieces else None))
     return problems
-    total = sum(x[2] for x in sized)
-    # Overlap: compare boxes pairwise; pieces sorted by offset so a 1-D split is checked in
-    # linear time (only neighbours can overlap when every piece spans the other dims fully).
-    sized.sort(key=lambda x: x[0])
-    pieces = [x[3] for x in sized]
-    split_dims = {d for _, ps, _, _ in sized for d, (s, g) in enumerate(zip(ps, shape))
-                  if s != g}
-    if len(split_dims) <= 1:
-        pairs = zip(pieces, pieces[1:])
-    else:
-        pairs = ((a, b) for i, a in enumerate(pieces) for b in pieces[i + 1:])
-    for a, b in pairs:
-        if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in
-               zip(a.global_offsets, a.shape, b.global_offsets, b.shape)):
-            problems.append(Problem("coverage-overlap",
-                                    f"{t.name}: pieces at {a.global_offsets} and {b.global_offsets} "
-                                    "overlap", b.file))
-            return problems
-    if total != t.numel:
-        problems.append(Problem("coverage-gap", f"{t.name}: pieces hold {total} of {t.numel} "
-                                                "elements", t.pieces[0].file if t.pieces else None))
-    return problems
