@@ -123,10 +123,10 @@ def write_many_ranks(out: str | os.PathLike, world: int) -> None:
     (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
 
 
-def _many_config(layers: int):
+def _many_config(layers: int, vocab: int = 512):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model("qwen2", vocab_size=512, hidden_size=64, intermediate_size=96,
+    return AutoConfig.for_model("qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=96,
                                 num_hidden_layers=layers, num_attention_heads=4,
                                 num_key_value_heads=2, tie_word_embeddings=False)
 
@@ -157,13 +157,15 @@ def _fake_rank(rank: int, world: int, out: str, shapes: dict) -> None:
 
 
 def write_many_ranks_procs(out: str | os.PathLike, world: int, layers: int = 80,
-                           workers: int = 2) -> None:
+                           workers: int = 2, vocab: int = 512) -> None:
     """``world`` rank files of an ``layers``-layer tiny-width Qwen2 model (hidden 64, untied:
     12 tensors a layer + 3 = 963 tensors at 80 layers), each rank written by ITS OWN process
     (forked from this one, ``fake`` process-group backend, ``workers`` at a time), each value a
     ``DTensor`` of that rank's ``Shard(0)`` rows on a 1-D ``fsdp`` mesh, as FSDP2's
     ``state_dict`` returns. The HF config goes to ``huggingface/``. Rank files already
-    written (each is renamed into place when complete) are kept: an interrupted run resumes."""
+    written (each is renamed into place when complete) are kept: an interrupted run resumes.
+    ``vocab``: the vocabulary size (one not divisible by ``world`` leaves the last ranks
+    fewer rows of the embeddings)."""
     import multiprocessing as mp
 
     import torch
@@ -171,7 +173,7 @@ def write_many_ranks_procs(out: str | os.PathLike, world: int, layers: int = 80,
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = _many_config(layers)
+    config = _many_config(layers, vocab)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in
                   AutoModelForCausalLM.from_config(config).state_dict().items()}

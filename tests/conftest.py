@@ -153,6 +153,32 @@ HSDP6 = Variant("w6-hsdp-3x2", mesh_shape=(3, 2), mesh_names=("replicate", "shar
 
 
 @pytest.fixture(scope="session")
+def many16_root() -> Path:
+    """``w16-fsdp2/``: 16 rank files of a 3-layer Qwen2 model (vocabulary 500), each written
+    by its own (forked) process under torch's ``fake`` process-group backend, each value a
+    DTensor of its rank's ``Shard(0)`` rows (bench/write_ckpt.py, the writer of the
+    256-rank benchmark). Ranks 10-15 have a longer archive folder name than ranks 0-9
+    (``model_world_size_16_rank_10/``); the last rank holds fewer embedding rows (500 is
+    not a multiple of 16): other storage sizes."""
+    import torch
+
+    code = (ROOT / "bench" / "write_ckpt.py").read_text()
+    key = hashlib.sha256(json.dumps([torch.__version__, code]).encode()).hexdigest()[:16]
+
+    def write(tmp: Path) -> None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("shardscope_bench_writer",
+                                                      ROOT / "bench" / "write_ckpt.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # its worker processes name their function by module
+        spec.loader.exec_module(mod)
+        mod.write_many_ranks_procs(tmp / "w16-fsdp2", 16, layers=3, vocab=500)
+
+    return cached(_cache_root().parent / f"many16-{key}", write, lock="lock-many16")
+
+
+@pytest.fixture(scope="session")
 def hsdp6_root() -> Path:
     """Folder holding ``w6-hsdp-3x2/`` (real FSDP2 on a (3, 2) ``(replicate, shard)`` mesh,
     6 gloo ranks: ranks 0, 2, 4 hold shard 0, ranks 1, 3, 5 shard 1) and its reference,

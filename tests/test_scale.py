@@ -73,10 +73,12 @@ def recognised(monkeypatch):
 
 
 def _full_parse(monkeypatch):
-    """Read every rank file in full (no template recognises anything)."""
-    from shardscope.core.formats import fsdp
+    """Read every rank file in full (no template recognises a pickle, no directory cache
+    recognises a zip directory)."""
+    from shardscope.core.formats import fsdp, torchsave
 
     monkeypatch.setattr(fsdp._Templates, "reuse", lambda self, data: None)
+    monkeypatch.setattr(torchsave.DirectoryCache, "match", lambda self, cd: None)
 
 
 def _summary(layout):
@@ -220,3 +222,74 @@ def test_streamed_cast_is_torch_to_across_steps(fixtures_root, tmp_path, monkeyp
     assert any(v.numel() > 1000 for v in ref.values())
     for k, v in ref.items():
         assert got[k].dtype == want_dtype and torch.equal(got[k], v.to(want_dtype)), k
+
+
+@pytest.fixture
+def directory_hits(monkeypatch):
+    """The rank files (names) whose zip directory the DirectoryCache recognised."""
+    from shardscope.core.formats import torchsave
+
+    hits: list[bool] = []
+    match = torchsave.DirectoryCache.match
+
+    def spy(self, cd):
+        got = match(self, cd)
+        hits.append(got)
+        return got
+
+    monkeypatch.setattr(torchsave.DirectoryCache, "match", spy)
+    return hits
+
+
+def test_directories_of_rank_files_with_longer_names_are_recognised(
+        many16_root, monkeypatch, directory_hits):
+    """Twelve real rank files: ranks 10 and 11 are saved under a longer archive folder than
+    ranks 0-9, and the last ranks hold fewer rows (other storage sizes). The directories
+    recognised from another file's give the layout of parsing each in full, and the folder,
+    CRC-32 values and local header offsets are each file's own."""
+    ck = many16_root / "w16-fsdp2"
+    fast = detect(ck)
+    got = [d for d in directory_hits if d is not None]
+    assert any(d.prefix == "model_world_size_16_rank_11/" for d in got), \
+        [d.prefix for d in got]
+    _full_parse(monkeypatch)
+    full = detect(ck)
+    assert _summary(fast) == _summary(full)
+    assert not fast.problems, _problems(fast)
+    for d in got:  # each recognised directory against zipfile's reading of its file
+        f = ck / (d.prefix.rstrip("/") + ".pt")
+        with zipfile.ZipFile(f) as z:
+            want = [(i.filename, i.compress_type, i.CRC, i.file_size, i.compress_size,
+                     i.header_offset) for i in z.infolist()]
+        assert [tuple(d.get(n)) for n in d] == want
+
+
+@pytest.mark.parametrize("damage", ["entry-size", "entry-name", "local-header"])
+def test_a_damaged_directory_of_a_recognised_layout_is_caught(many16_root, tmp_path,
+                                                              monkeypatch, damage):
+    """A rank file whose directory differs from the recognised layout's in a field that
+    matters (an entry's size, an entry's name) or whose local header is broken gives the
+    problems of parsing it in full, naming that file."""
+    ck = copy_checkpoint(many16_root / "w16-fsdp2", tmp_path / "ck")
+    f = ck / "model_world_size_16_rank_10.pt"
+    with zipfile.ZipFile(f) as z:
+        info = [i for i in z.infolist() if "/data/" in i.filename][3]
+    data = bytearray(f.read_bytes())
+    name = info.filename.encode()
+    # the central directory entry of ``info``: its name follows its 46 fixed bytes
+    at = data.rindex(name) - 46
+    assert data[at:at + 4] == b"PK\x01\x02"
+    if damage == "entry-size":
+        size = struct.unpack_from("<I", data, at + 24)[0]
+        struct.pack_into("<I", data, at + 24, size - 4)
+        struct.pack_into("<I", data, at + 20, size - 4)
+    elif damage == "entry-name":
+        data[at + 46 + len(name) - 1] ^= 0x01  # "data/3" -> "data/2": a name twice
+    else:
+        data[info.header_offset:info.header_offset + 4] = b"XXXX"
+    f.write_bytes(bytes(data))
+    fast = detect(ck)
+    _full_parse(monkeypatch)
+    full = detect(ck)
+    assert _problems(fast) == _problems(full)
+    assert any(Path(p.path).name == f.name for p in fast.problems), _problems(fast)

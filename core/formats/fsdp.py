@@ -22,7 +22,7 @@ from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
 from ..phases import phase, progressed, snapshot
 from .common import attach_config, clean_key, problem_for, stat_file
-from .torchsave import DType, Record, TensorRef, read_torch_archive
+from .torchsave import DirectoryCache, DType, Record, TensorRef, read_torch_archive
 
 #: at most this many missing ranks are listed as files / as separate problems
 MAX_LISTED = 1024
@@ -294,6 +294,10 @@ class _Builder:
         self.seen: dict[tuple, Piece] = {}
         #: (tensor, kept piece, identical-place piece of another rank): replica copies
         self.copies: list[tuple[str, Piece, Piece]] = []
+        #: rank -> (template, mesh coordinate) of the rank files read by :meth:`replay`
+        self.replayed: dict[int, tuple] = {}
+        #: rank -> the mesh coordinates of its shards (for :func:`_duplicate_ranks`)
+        self.coords: dict[int, set] = {}
         self.mesh_cache: dict[int, tuple] = {}
         self.flat_params: set[str] = set()
         #: what the rank file being parsed holds, for :class:`_Template` (None: not
@@ -325,6 +329,8 @@ class _Builder:
     def add(self, t: TensorInfo, piece: Piece) -> None:
         if piece.numel == 0:
             return
+        if piece.coord is not None and piece.rank is not None:
+            self.coords.setdefault(piece.rank, set()).add(piece.coord)
         key = (t.name, piece.global_offsets, piece.shape)
         first = self.seen.get(key)
         if first is not None:  # replicas (HSDP, replicated buffers): keep the first copy
@@ -364,22 +370,34 @@ class _Builder:
         if coord is None:
             coord = tuple(_unravel(rank, tpl.mesh_shape))
         self.keys_by_rank[rank] = tpl.keys
-        boxes, add, seen = tpl.box_cache, self.add, self.seen
+        self.replayed[rank] = (tpl, coord)
+        if tpl.boxes:  # DTensors: all at this coordinate
+            self.coords.setdefault(rank, set()).add(coord)
+        add, seen, copies = self.add, self.seen, self.copies
+        # placement arithmetic once per distinct placement of the file (a few), not per tensor
+        per_box: list = []
+        for i, (gshape, mesh_shape, placements, order, _) in enumerate(tpl.boxes):
+            got = tpl.box_cache.get((i, coord))
+            if got is None:
+                try:
+                    got = local_box(gshape, mesh_shape, coord, placements, order)
+                except MeshRecordError as e:  # the template's own coordinate placed it
+                    got = e
+                tpl.box_cache[(i, coord)] = got
+            per_box.append(got)
+        # Pieces made without the frozen dataclass's __init__ (one object.__setattr__ per
+        # field: half of this loop's time at 256 ranks x 1000 tensors); the same objects
+        new, piece_cls = object.__new__, Piece
         for t, key, start, shape, stride, dtype, box, empty in tpl.entries:
             if box is None:  # a plain tensor (a buffer saved whole on every rank)
                 add(t, Piece(path, offsets[key] + start, dtype, shape, stride,
                              (0,) * len(shape), rank))
                 continue
-            got = boxes.get((box, coord))
-            if got is None:
-                gshape, mesh_shape, placements, order, _ = tpl.boxes[box]
-                try:
-                    got = local_box(gshape, mesh_shape, coord, placements, order)
-                except MeshRecordError as e:  # the template's own coordinate placed it
-                    self.layout.problems.append(Problem("unsupported-placement",
-                                                        f"{t.name}: {e}", path))
-                    continue
-                boxes[(box, coord)] = got
+            got = per_box[box]
+            if got.__class__ is not tuple:
+                self.layout.problems.append(Problem("unsupported-placement",
+                                                    f"{t.name}: {got}", path))
+                continue
             goff, want = got
             if want != shape:
                 gshape, mesh_shape, _, _, pstr = tpl.boxes[box]
@@ -389,13 +407,17 @@ class _Builder:
                 continue
             if empty:
                 continue  # an empty shard (``add`` skips those too)
-            piece = Piece(path, offsets[key] + start, dtype, shape, stride, goff, rank, coord)
-            first = seen.get((t.name, goff, shape))
+            piece = new(piece_cls)
+            piece.__dict__.update(file=path, byte_offset=offsets[key] + start, dtype=dtype,
+                                  shape=shape, stride=stride, global_offsets=goff, rank=rank,
+                                  coord=coord, archive=None)
+            k = (t.name, goff, shape)
+            first = seen.get(k)
             if first is None:  # what ``add`` does, inline: many files x many tensors
-                seen[(t.name, goff, shape)] = piece
+                seen[k] = piece
                 t.pieces.append(piece)
             else:
-                self.copies.append((t.name, first, piece))
+                copies.append((t.name, first, piece))
 
     def _plain(self, rank, path, name, ref: TensorRef) -> None:
         t = self.tensor(name, ref.shape, ref.dtype, "plain", path)
@@ -849,17 +871,41 @@ def _same_bytes(handles: dict, a: Piece, c: Piece, nbytes: int, block: int = 1 <
 
 
 def _duplicate_ranks(layout: CheckpointLayout, files: dict[int, str],
-                     copies: list[tuple[str, Piece, Piece]]) -> bool:
+                     copies: list[tuple[str, Piece, Piece]],
+                     coords: dict[int, set] | None = None) -> bool:
     """A rank file that holds the same shards at the same device-mesh coordinates as another
     rank's file (a copy of that file under another rank's name: ``cp rank_0 rank_1`` when
     restoring, a wrong file sent by a transfer). Every DTensor records its mesh coordinate, so
     two ranks of one save never agree on all of them (HSDP replicas differ on the replicate
     dimension, TP ranks on the TP one). Adds one ``duplicate-rank`` error per copy (before
-    the coverage gaps it causes, which are then not listed); returns True when any."""
+    the coverage gaps it causes, which are then not listed); returns True when any.
+
+    ``coords``: rank -> the mesh coordinates of its shards (or more), as the reader saw
+    them go by (None: gathered here). Two ranks can only agree when the sets of
+    coordinates of their shards do, so the shards themselves are compared only for ranks
+    that share their coordinate set with another rank (none, in a sound checkpoint): the
+    256 x 1000 shards of a big run are not walked."""
+    def held():
+        for name, t in layout.tensors.items():
+            for pc in t.pieces:
+                yield name, pc
+        for name, _, pc in copies:  # copies: same place
+            yield name, pc
+
+    if coords is None:
+        coords = {}
+        for _, pc in held():
+            if pc.rank is not None and pc.coord is not None:
+                coords.setdefault(pc.rank, set()).add(pc.coord)
+    by_coords: dict[frozenset, list[int]] = {}
+    for r, cs in coords.items():
+        by_coords.setdefault(frozenset(cs), []).append(r)
+    suspects = {r for rs in by_coords.values() if len(rs) > 1 for r in rs}
+    if not suspects:
+        return False
     sig: dict[int, list] = {}
-    held = [(name, pc) for name, t in layout.tensors.items() for pc in t.pieces]
-    for name, pc in held + [(name, pc) for name, _, pc in copies]:  # copies: same place
-        if pc.rank is not None and pc.coord is not None:
+    for name, pc in held():
+        if pc.rank in suspects and pc.coord is not None:
             sig.setdefault(pc.rank, []).append((name, pc.coord, pc.global_offsets))
     seen: dict[tuple, int] = {}
     found = False
@@ -926,7 +972,7 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
                             "file names")
     layout.world_size = world
     b = _Builder(layout)
-    templates = _Templates()
+    templates, directories = _Templates(), DirectoryCache()
     missing = [r for r in range(min(world, MAX_LISTED)) if r not in files]
     n_missing = world - sum(1 for r in files if r < world)
     ranks = sorted(set(missing) | {r for r in files if r < world})
@@ -950,7 +996,7 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
         phase(f"reading rank files {len(layout.files)}/{world}")
         try:
             b.mesh_cache.clear()
-            archive = read_torch_archive(fpath, reuse=templates.reuse)
+            archive = read_torch_archive(fpath, reuse=templates.reuse, directories=directories)
             if archive.offsets is not None:  # the pickle of a rank file parsed before
                 tpl, coord = archive.root
                 b.replay(r, fpath, tpl, coord, archive.offsets)
@@ -1000,7 +1046,7 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
             f"flat parameters (e.g. {example}) hold the model's tensors flattened, and the files "
             "do not record their names or shapes; unsupported: save with "
             "StateDictType.SHARDED_STATE_DICT or FULL_STATE_DICT", str(root)))
-    duplicates = _duplicate_ranks(layout, files, b.copies)
+    duplicates = _duplicate_ranks(layout, files, b.copies, b.coords)
     unreadable = duplicates or any(p.code in ("unreadable-file", "truncated-file",
                                               "unsafe-pickle", "unsupported-record")
                                    for p in layout.problems)

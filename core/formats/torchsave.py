@@ -341,7 +341,8 @@ class TorchArchive:
 
 
 def read_torch_archive(path: str, base: int = 0, length: int | None = None,
-                       reuse=None) -> TorchArchive:
+                       reuse=None, directories: "DirectoryCache | None" = None
+                       ) -> TorchArchive:
     """Read the pickle of the ``torch.save`` archive at ``path`` (or the ``length`` bytes at
     ``base`` of it, as DCP embeds one per chunk) and locate every storage's bytes.
 
@@ -351,12 +352,14 @@ def read_torch_archive(path: str, base: int = 0, length: int | None = None,
     unpickled again, but the archive's directory, the pickle's CRC-32, every named storage's
     entry and local header, its size and its extent inside the file are checked as usual, and
     the result has ``offsets`` instead of ``storages``. ``reuse`` returns None to unpickle.
+    ``directories``: the zip directories of the files read before (with ``reuse``), to
+    recognise this file's (:class:`DirectoryCache`).
 
     Raises :class:`BadCheckpointError` when the file is not a readable archive or a storage
     entry is missing, compressed or short; :class:`UnsafeCheckpointError` for a forbidden global.
     """
     try:
-        return _read_archive(path, base, length, reuse)
+        return _read_archive(path, base, length, reuse, directories)
     except (BadCheckpointError, UnsafeCheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged zip directory can raise anything
@@ -450,18 +453,44 @@ class _ArrayDirectory:
     """A zip central directory held as numpy arrays (one entry per row): the mapping
     ``name -> _Entry`` that :func:`_read_archive` reads (entries built on demand), plus
     :meth:`locate` for many storages at once. For rank files of many ranks x many tensors,
-    where a Python step per entry was a third of reading a recognised file."""
+    where a Python step per entry was a third of reading a recognised file.
 
-    def __init__(self, names, fields):
-        self.names = names
-        self.index = {n: i for i, n in enumerate(names)}
+    Names are kept without ``prefix``, the folder every entry of a ``torch.save`` archive
+    is under (the file's stem when it was saved, e.g. ``model_world_size_8_rank_3/``; ""
+    when the entries share none), so rank files of one run share one index."""
+
+    def __init__(self, prefix: str, tails: list[str], fields, index=None):
+        self.prefix = prefix
+        self.tails = tails
+        self.index = {n: i for i, n in enumerate(tails)} if index is None else index
         self.flags, self.method, self.crc, self.csize, self.usize, self.hoff = fields
+        #: what was found once per layout, for other files of it: :meth:`locate`'s arrays
+        #: per list of storages, and the tails of the pickles' names (key "pickles")
+        self.located: dict = {}
+
+    @property
+    def names(self) -> list[str]:
+        return [self.prefix + t for t in self.tails]
+
+    def like(self, prefix: str, crc, hoff) -> "_ArrayDirectory":
+        """This directory as another rank file of the same layout has it: its own folder
+        ``prefix``, CRC-32 values and local header offsets; the other fields, the index
+        and what :meth:`locate` learnt are shared."""
+        d = _ArrayDirectory(prefix, self.tails, (self.flags, self.method, crc, self.csize,
+                                                 self.usize, hoff), self.index)
+        d.located = self.located
+        return d
+
+    def _find(self, name: str):
+        if not name.startswith(self.prefix):
+            return None
+        return self.index.get(name[len(self.prefix):])
 
     def __iter__(self):
-        return iter(self.index)
+        return iter(self.names)
 
     def get(self, name, default=None):
-        i = self.index.get(name)
+        i = self._find(name)
         if i is None:
             return default
         return _Entry((name, int(self.method[i]), int(self.crc[i]), int(self.usize[i]),
@@ -478,43 +507,37 @@ class _ArrayDirectory:
         """:func:`_locate` with numpy: the same checks and messages, all entries at once."""
         import numpy as np
 
-        keys = [k for k, _ in needs]
-        if not keys:
-            return {}
-        index = self.index
-        idx = []
-        for key in keys:
-            i = index.get(f"{prefix}data/{key}")
-            if i is None:
-                raise BadCheckpointError(f"storage {key} is missing from the archive", path)
-            idx.append(i)
-        idx = np.asarray(idx, dtype=np.int64)
+        # rank files of one layout name the same storages: the lookups and the checks that
+        # depend on the directory alone are made once (per storage list and pickle folder)
+        key = (id(needs), prefix[len(self.prefix):] if prefix.startswith(self.prefix)
+               else "\0" + prefix)
+        known = self.located.get(key)
+        if known is None or known[0] is not needs:
+            known = (needs, *self._prepare(prefix, needs))
+            self.located[key] = known
+        _, keys, idx, held, error, short = known
+        if error is not None:
+            raise BadCheckpointError(error, path)
 
         def first(bad) -> str:
             return keys[int(np.argmax(bad))]
 
-        bad = self.method[idx] != zipfile.ZIP_STORED
-        if bad.any():
-            raise BadCheckpointError(f"storage {first(bad)} is compressed", path)
         at = self.hoff[idx] + base
         bad = at + 30 > size
         if bad.any():
             raise BadCheckpointError(f"storage {first(bad)}: bad zip local header", path)
         raw = np.frombuffer(mm, dtype=np.uint8)
-        heads = raw[at[:, None] + np.arange(30)]  # a copy: the mapping is free to close
+        # of each local header: the signature (bytes 0-3) and the name and extra field
+        # lengths (26-29); a copy: the mapping is free to close
+        heads = raw[at[:, None] + _HEAD_BYTES]
         del raw
-        bad = (heads[:, :4] != np.frombuffer(b"PK\x03\x04", dtype=np.uint8)).any(axis=1)
+        bad = (heads[:, :4] != _LOCAL_SIGNATURE).any(axis=1)
         if bad.any():
             raise BadCheckpointError(f"storage {first(bad)}: bad zip local header", path)
-        lens = heads[:, 26:30].astype(np.int64)
+        lens = heads[:, 4:].astype(np.int64)
         data = at + 30 + lens[:, 0] + (lens[:, 1] << 8) + lens[:, 2] + (lens[:, 3] << 8)
-        held = self.usize[idx]
-        need = np.asarray([n for _, n in needs], dtype=np.int64)
-        bad = held < need
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise BadCheckpointError(f"storage {keys[i]} holds {int(held[i])} bytes, "
-                                     f"{int(need[i])} expected", path)
+        if short is not None:
+            raise BadCheckpointError(short, path)
         bad = data + held > size
         if bad.any():
             i = int(np.argmax(bad))
@@ -522,28 +545,135 @@ class _ArrayDirectory:
                                      f"but the file has {size}: truncated", path)
         return dict(zip(keys, data.tolist()))
 
+    def _prepare(self, prefix: str, needs):
+        """What :meth:`locate` checks of ``needs`` in the directory alone: ``(keys, entry
+        rows, bytes held, the message of a missing or compressed entry or None, the message
+        of a short one or None)`` (in the order of :func:`_locate`'s checks: a short entry is
+        reported after its local header's)."""
+        import numpy as np
+
+        keys = [k for k, _ in needs]
+        idx = []
+        for key in keys:
+            i = self._find(f"{prefix}data/{key}")
+            if i is None:
+                return keys, None, None, f"storage {key} is missing from the archive", None
+            idx.append(i)
+        idx = np.asarray(idx, dtype=np.int64)
+        bad = self.method[idx] != zipfile.ZIP_STORED
+        if bad.any():
+            return keys, None, None, f"storage {keys[int(np.argmax(bad))]} is compressed", None
+        held = self.usize[idx]
+        need = np.asarray([n for _, n in needs], dtype=np.int64)
+        bad = held < need
+        short = None
+        if bad.any():
+            i = int(np.argmax(bad))
+            short = f"storage {keys[i]} holds {int(held[i])} bytes, {int(need[i])} expected"
+        return keys, idx, held, None, short
+
 
 _CD_SIGNATURE = None
+#: of a zip local header: the signature and the name and extra field lengths; of a central
+#: directory entry: the CRC-32, the name length and the local header offset, which differ
+#: between rank files of one layout (APPNOTE.TXT 4.3.7, 4.3.12)
+_HEAD_BYTES = _LOCAL_SIGNATURE = _VARYING = None
 
 
-def _array_directory(mm, base: int, length: int) -> _ArrayDirectory | None:
+class DirectoryCache:
+    """The central directories of the rank files read so far, to recognise the next file's.
+    Rank files of one run (one layout of storages) have the same directory but for their
+    folder name (``model_world_size_8_rank_3/``, before every entry name), and hence the
+    name lengths and local header offsets, and the CRC-32 values: a directory that equals
+    a known one byte for byte once the known one's folder is replaced by this file's and
+    those three fields are set aside is that one (the fields then read with numpy), so
+    names, sizes and offsets are not parsed again. A few layouts are kept (the even-chunk
+    rule of FSDP gives the last ranks other local shapes: other storage sizes)."""
+
+    LIMIT = 4
+
+    def __init__(self):
+        #: (directory bytes cut at each name's folder with the varying fields zeroed, the
+        #: folder's bytes, entry starts, name lengths, text encoding, directory)
+        self.items: list[tuple] = []
+
+    def match(self, cd: bytes) -> "_ArrayDirectory | None":
+        import numpy as np
+
+        for i, (segs, folder, starts, nlen, enc, known) in enumerate(self.items):
+            n = len(starts)
+            # this file's folder: its first name less the known first name's tail
+            first_len = int.from_bytes(cd[28:30], "little") if len(cd) >= 46 else -1
+            tail = known.tails[0].encode(enc)
+            name0 = cd[46:46 + first_len] if first_len >= len(tail) else b""
+            if not name0.endswith(tail) or cd[:4] != b"PK\x01\x02":
+                continue
+            mine_folder = name0[:len(name0) - len(tail)]
+            if (mine_folder[-1:] != b"/") if folder else mine_folder:
+                continue
+            grow = len(mine_folder) - len(folder)
+            if len(cd) != sum(map(len, segs)) + n * len(mine_folder):
+                continue
+            at = starts + np.arange(n, dtype=np.int64) * grow
+            mine = bytearray(cd)
+            np.frombuffer(mine, dtype=np.uint8)[(at[:, None] + _VARYING).ravel()] = 0
+            if mine != mine_folder.join(segs):
+                continue
+            b = np.frombuffer(cd, dtype=np.uint8)[at[:, None] + _VARYING].astype(np.int64)
+            if ((b[:, 4] | (b[:, 5] << 8)) != nlen + grow).any():
+                continue
+            crc = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+            hoff = b[:, 6] | (b[:, 7] << 8) | (b[:, 8] << 16) | (b[:, 9] << 24)
+            if (hoff == 0xFFFFFFFF).any():
+                continue  # zip64: parse it
+            if i:
+                self.items.insert(0, self.items.pop(i))
+            return known.like(mine_folder.decode(enc), crc, hoff)
+        return None
+
+    def learn(self, cd: bytes, starts, nlen, known: "_ArrayDirectory", enc: str) -> None:
+        import numpy as np
+
+        masked = bytearray(cd)
+        np.frombuffer(masked, dtype=np.uint8)[(starts[:, None] + _VARYING).ravel()] = 0
+        folder = known.prefix.encode(enc)
+        cuts = (starts + 46).tolist()  # where each name, hence its folder, starts
+        segs, pos = [], 0
+        for c in cuts:
+            segs.append(bytes(masked[pos:c]))
+            pos = c + len(folder)
+        segs.append(bytes(masked[pos:]))
+        self.items.insert(0, (segs, folder, starts, nlen, enc, known))
+        del self.items[self.LIMIT:]
+
+
+def _array_directory(mm, base: int, length: int, cache: DirectoryCache | None = None
+                     ) -> _ArrayDirectory | None:
     """The central directory as :class:`_ArrayDirectory`: the entry signatures found with
     one regular-expression scan, their fields gathered with numpy, and accepted only when
     the entries chain exactly from the directory's start to its end (each entry's lengths
     lead to the next signature found), so the result is the one-by-one parse's; None
-    otherwise (the caller then parses entry by entry)."""
+    otherwise (the caller then parses entry by entry). ``cache``: the directories of the
+    rank files read before (:class:`DirectoryCache`), consulted first and taught this one."""
     import re
 
     import numpy as np
 
-    global _CD_SIGNATURE
+    global _CD_SIGNATURE, _HEAD_BYTES, _LOCAL_SIGNATURE, _VARYING
     if _CD_SIGNATURE is None:
+        _HEAD_BYTES = np.asarray([0, 1, 2, 3, 26, 27, 28, 29], dtype=np.int64)
+        _LOCAL_SIGNATURE = np.frombuffer(b"PK\x03\x04", dtype=np.uint8)
+        _VARYING = np.asarray([16, 17, 18, 19, 28, 29, 42, 43, 44, 45], dtype=np.int64)
         _CD_SIGNATURE = re.compile(re.escape(b"PK\x01\x02"))
     bounds = _directory_bounds(mm, base, length)
     if bounds is None:
         return None
     cd_start, cd_end, n_total = bounds
     cd = mm[cd_start:cd_end]
+    if cache is not None and n_total:
+        known = cache.match(cd)
+        if known is not None:
+            return known
     pos = [m.start() for m in _CD_SIGNATURE.finditer(cd)]
     if len(pos) != n_total or not pos or pos[0] != 0:
         return None
@@ -568,7 +698,16 @@ def _array_directory(mm, base: int, length: int) -> _ArrayDirectory | None:
     utf8 = (flags & 0x800).tolist()
     names = [cd[q + 46:q + 46 + n].decode("utf-8" if u else "cp437")
              for q, n, u in zip(pos, nlen.tolist(), utf8)]
-    return _ArrayDirectory(names, (flags, method, crc, csize, usize, hoff))
+    # the folder all entries share (torch.save's archive name), when they share one
+    folder = names[0][:names[0].find("/") + 1]
+    if not folder or not all(n.startswith(folder) for n in names):
+        folder = ""
+    out = _ArrayDirectory(folder, [n[len(folder):] for n in names],
+                          (flags, method, crc, csize, usize, hoff))
+    one_encoding = len(set(utf8)) == 1
+    if cache is not None and one_encoding:
+        cache.learn(cd, p, nlen, out, "utf-8" if utf8[0] else "cp437")
+    return out
 
 
 def _locate(mm, base: int, size: int, infos: dict, prefix: str, needs, path: str
@@ -605,7 +744,8 @@ def _local_data_offset(mm, base: int, size: int, e: _Entry, what: str, path: str
     return at + 30 + n + m
 
 
-def _read_archive(path: str, base: int, length: int | None, reuse=None) -> TorchArchive:
+def _read_archive(path: str, base: int, length: int | None, reuse=None,
+                  directories: DirectoryCache | None = None) -> TorchArchive:
     import mmap
     import zlib
 
@@ -636,7 +776,8 @@ def _read_archive(path: str, base: int, length: int | None, reuse=None) -> Torch
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         try:
             # many rank files of one run (``reuse``): the directory as arrays
-            infos = _array_directory(mm, base, length) if size and reuse is not None else None
+            infos = (_array_directory(mm, base, length, directories)
+                     if size and reuse is not None else None)
             entries = _fast_directory(mm, base, length) if size and infos is None else None
             if entries is None and infos is None:
                 try:
@@ -651,7 +792,15 @@ def _read_archive(path: str, base: int, length: int | None, reuse=None) -> Torch
                                              "corrupt?", path) from None
             if infos is None:
                 infos = {e.filename: e for e in entries}
-            pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
+            if isinstance(infos, _ArrayDirectory):  # the pickle's name: once per layout
+                tails = infos.located.get("pickles")
+                if tails is None:
+                    tails = infos.located["pickles"] = [
+                        t for t, n in zip(infos.tails, infos.names)
+                        if n.endswith("/data.pkl") or n == "data.pkl"]
+                pkl = [infos.prefix + t for t in tails]
+            else:
+                pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
             if len(pkl) != 1:
                 raise BadCheckpointError("torch.save archive without a single data.pkl", path)
             prefix = pkl[0][: -len("data.pkl")]
