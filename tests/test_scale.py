@@ -293,3 +293,20 @@ def test_a_damaged_directory_of_a_recognised_layout_is_caught(many16_root, tmp_p
     full = detect(ck)
     assert _problems(fast) == _problems(full)
     assert any(Path(p.path).name == f.name for p in fast.problems), _problems(fast)
+
+
+def test_a_recognised_rank_file_whose_coordinate_gives_other_shapes_is_caught(
+        many16_root, tmp_path, monkeypatch, recognised):
+    """Rank 3's file claiming the coordinate of rank 15 (which holds fewer embedding rows:
+    500 is not a multiple of 16) is recognised by its pickle, and gives the problems of
+    parsing every file in full: its local shapes are not what its placement gives there."""
+    ck = copy_checkpoint(many16_root / "w16-fsdp2", tmp_path / "ck")
+    f = ck / "model_world_size_16_rank_3.pt"
+    _rewrite(f, edit_pickle=_coordinate_to(15))
+    fast = detect(ck)
+    assert recognised[3], recognised
+    _full_parse(monkeypatch)
+    full = detect(ck)
+    assert _problems(fast) == _problems(full)
+    assert any(p.code == "shape-mismatch" and Path(p.path).name == f.name
+               for p in fast.problems), _problems(fast)

@@ -388,7 +388,26 @@ class _Builder:
         # Pieces made without the frozen dataclass's __init__ (one object.__setattr__ per
         # field: half of this loop's time at 256 ranks x 1000 tensors); the same objects
         new, piece_cls = object.__new__, Piece
-        for t, key, start, shape, stride, dtype, box, empty in tpl.entries:
+        if all(per_box[box].__class__ is tuple and per_box[box][1] == shape
+               for box, shape in tpl.shapes):  # every local shape as its placement gives it
+            for t, key, start, shape, stride, dtype, _, _ in tpl.plain:
+                add(t, Piece(path, offsets[key] + start, dtype, shape, stride,
+                             (0,) * len(shape), rank))
+            for t, key, start, shape, stride, dtype, box, _ in tpl.shards:
+                goff = per_box[box][0]
+                piece = new(piece_cls)
+                piece.__dict__.update(file=path, byte_offset=offsets[key] + start,
+                                      dtype=dtype, shape=shape, stride=stride,
+                                      global_offsets=goff, rank=rank, coord=coord, archive=None)
+                k = (t.name, goff, shape)
+                first = seen.get(k)
+                if first is None:  # what ``add`` does, inline
+                    seen[k] = piece
+                    t.pieces.append(piece)
+                else:
+                    copies.append((t.name, first, piece))
+            return
+        for t, key, start, shape, stride, dtype, box, empty in tpl.entries:  # with problems
             if box is None:  # a plain tensor (a buffer saved whole on every rank)
                 add(t, Piece(path, offsets[key] + start, dtype, shape, stride,
                              (0,) * len(shape), rank))
@@ -682,6 +701,13 @@ class _Template:
                                  ref.shape, ref.stride, ref.dtype, box, 0 in ref.shape))
         # every storage the pickle names is checked in each file, as the full parse does
         self.needs = [(k, ref.numel * ITEMSIZE[ref.dtype]) for k, ref in storages.items()]
+        #: the distinct (placement index, local shape) pairs of the DTensors: a file whose
+        #: placements give each its shape holds exactly the template's non-empty pieces,
+        #: ``shards`` (in the file's order), and :meth:`_Builder.replay` checks no tensor
+        #: one by one
+        self.shapes = sorted({(e[6], e[3]) for e in self.entries if e[6] is not None})
+        self.shards = [e for e in self.entries if e[6] is not None and not e[7]]
+        self.plain = [e for e in self.entries if e[6] is None]
 
     def match(self, data: bytes):
         """This file's mesh coordinate (None when the mesh records none) when ``data`` is

@@ -600,11 +600,12 @@ class DirectoryCache:
     def match(self, cd: bytes) -> "_ArrayDirectory | None":
         import numpy as np
 
-        for i, (segs, folder, starts, nlen, enc, known) in enumerate(self.items):
+        for i, item in enumerate(self.items):
+            masked, folder, starts, nlen, enc, known, shifted = item
             n = len(starts)
             # this file's folder: its first name less the known first name's tail
-            first_len = int.from_bytes(cd[28:30], "little") if len(cd) >= 46 else -1
             tail = known.tails[0].encode(enc)
+            first_len = int.from_bytes(cd[28:30], "little") if len(cd) >= 46 else -1
             name0 = cd[46:46 + first_len] if first_len >= len(tail) else b""
             if not name0.endswith(tail) or cd[:4] != b"PK\x01\x02":
                 continue
@@ -612,14 +613,30 @@ class DirectoryCache:
             if (mine_folder[-1:] != b"/") if folder else mine_folder:
                 continue
             grow = len(mine_folder) - len(folder)
-            if len(cd) != sum(map(len, segs)) + n * len(mine_folder):
+            if len(cd) != len(masked) + n * grow:
                 continue
-            at = starts + np.arange(n, dtype=np.int64) * grow
+            at = shifted.get(grow)
+            if at is None:  # where the fields and folders lie in a directory of this width
+                # (the known directory's bytes outside the folders, fields zeroed, with
+                # zeroed folders of this width between them)
+                at = starts + np.arange(n, dtype=np.int64) * grow
+                folders = (at[:, None] + 46 + _arange(len(mine_folder))).ravel()
+                want = bytearray(len(cd))
+                keep = np.ones(len(cd), dtype=bool)
+                keep[folders] = False
+                np.frombuffer(want, dtype=np.uint8)[keep] = \
+                    np.frombuffer(masked, dtype=np.uint8)[_kept(masked, starts, folder)]
+                zero = np.concatenate([(at[:, None] + _VARYING).ravel(), folders])
+                at = shifted[grow] = (at, folders, zero, bytes(want))
+            at, folders, zero, want = at
             mine = bytearray(cd)
-            np.frombuffer(mine, dtype=np.uint8)[(at[:, None] + _VARYING).ravel()] = 0
-            if mine != mine_folder.join(segs):
+            a = np.frombuffer(mine, dtype=np.uint8)
+            if a[folders].tobytes() != mine_folder * n:  # every name under this folder
                 continue
-            b = np.frombuffer(cd, dtype=np.uint8)[at[:, None] + _VARYING].astype(np.int64)
+            b = a[at[:, None] + _VARYING].astype(np.int64)
+            a[zero] = 0
+            if mine != want:
+                continue
             if ((b[:, 4] | (b[:, 5] << 8)) != nlen + grow).any():
                 continue
             crc = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
@@ -637,14 +654,24 @@ class DirectoryCache:
         masked = bytearray(cd)
         np.frombuffer(masked, dtype=np.uint8)[(starts[:, None] + _VARYING).ravel()] = 0
         folder = known.prefix.encode(enc)
-        cuts = (starts + 46).tolist()  # where each name, hence its folder, starts
-        segs, pos = [], 0
-        for c in cuts:
-            segs.append(bytes(masked[pos:c]))
-            pos = c + len(folder)
-        segs.append(bytes(masked[pos:]))
-        self.items.insert(0, (segs, folder, starts, nlen, enc, known))
+        self.items.insert(0, (bytes(masked), folder, starts, nlen, enc, known, {}))
         del self.items[self.LIMIT:]
+
+
+def _arange(n: int):
+    import numpy as np
+
+    return np.arange(n, dtype=np.int64)
+
+
+def _kept(masked: bytes, starts, folder: bytes):
+    """The positions of ``masked`` (a known directory) outside its entries' folders, in
+    order: the bytes a directory of another folder width has at its own kept positions."""
+    import numpy as np
+
+    keep = np.ones(len(masked), dtype=bool)
+    keep[(starts[:, None] + 46 + _arange(len(folder))).ravel()] = False
+    return keep
 
 
 def _array_directory(mm, base: int, length: int, cache: DirectoryCache | None = None
