@@ -25,7 +25,8 @@ import zlib
 from dataclasses import dataclass, field
 
 from .errors import BadCheckpointError
-from .formats.torchsave import _array_directory, _fast_directory, _local_data_offset
+from .formats.torchsave import (DirectoryCache, _array_directory, _fast_directory,
+                                _local_data_offset)
 
 CHUNK = 16 * 1024 * 1024
 
@@ -44,13 +45,15 @@ class StorageRecord:
     tensors: list[str] = field(default_factory=list)
 
 
-def _records_of(path: str, bases: list[tuple[int, int]]
+def _records_of(path: str, bases: list[tuple[int, int]], directories=None
                 ) -> list[tuple[int, int, int, str]] | None:
     """Every data entry of the archives at ``bases`` ((start, length); ``length`` -1: to the
     end of the file) of ``path``, as ``(data start, size, CRC-32, entry name)`` tuples (a
     :class:`StorageRecord` is made only for the records a merge uses); None when the file holds no zip archive (safetensors, a
     legacy pickle): nothing to check there. An entry whose local header is damaged is left
-    out (the reader already refused such a file)."""
+    out (the reader already refused such a file). ``directories``: a
+    :class:`~.formats.torchsave.DirectoryCache` of the files listed before (rank files of
+    one run share their directory's layout)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -67,7 +70,7 @@ def _records_of(path: str, bases: list[tuple[int, int]]
                 return None if base == 0 else out
             # the numpy directory first: a rank file of a many-rank run holds ~1000 records,
             # and a Python step per record was most of a 256-rank merge's check
-            table = _array_directory(mm, base, length)
+            table = _array_directory(mm, base, length, directories if base == 0 else None)
             if table is not None:
                 out.extend(_array_records(mm, base, size, table, path))
                 continue
@@ -110,8 +113,10 @@ def _array_records(mm, base: int, size: int, table, path: str
     (the same checks as :func:`_local_data_offset`: inside the file, its signature)."""
     import numpy as np
 
-    names = table.names
-    idx = np.asarray([i for i, n in enumerate(names) if _is_data(n)], dtype=np.int64)
+    idx = table.located.get("data")  # the same entries in every file of one layout
+    if idx is None:
+        idx = table.located["data"] = np.asarray(
+            [i for i, n in enumerate(table.names) if _is_data(n)], dtype=np.int64)
     if not len(idx):
         return []
     at = table.hoff[idx] + base
@@ -124,8 +129,9 @@ def _array_records(mm, base: int, size: int, table, path: str
     idx, at, heads = idx[good], at[good], heads[good]
     lens = heads[:, 26:30].astype(np.int64)
     data = at + 30 + lens[:, 0] + (lens[:, 1] << 8) + lens[:, 2] + (lens[:, 3] << 8)
+    prefix, tails = table.prefix, table.tails
     return list(zip(data.tolist(), table.usize[idx].tolist(), table.crc[idx].tolist(),
-                    [names[i] for i in idx.tolist()]))
+                    [prefix + tails[i] for i in idx.tolist()]))
 
 
 def plan_records(plan, is_local=lambda path: True) -> tuple[list[StorageRecord], list[str]]:
@@ -148,11 +154,12 @@ def plan_records(plan, is_local=lambda path: True) -> tuple[list[StorageRecord],
                     users.setdefault(p.file, []).append((p.byte_offset, t.name))
     records: list[StorageRecord] = []
     unchecked: list[str] = []
+    directories = DirectoryCache()
     for path, uses in users.items():
         if not is_local(path):
             unchecked.append(path)
             continue
-        recs = _records_of(path, sorted(set(bases.get(path, [(0, -1)]))))
+        recs = _records_of(path, sorted(set(bases.get(path, [(0, -1)]))), directories)
         if recs is None:
             unchecked.append(path)
             continue

@@ -310,3 +310,21 @@ def test_a_recognised_rank_file_whose_coordinate_gives_other_shapes_is_caught(
     assert _problems(fast) == _problems(full)
     assert any(p.code == "shape-mismatch" and Path(p.path).name == f.name
                for p in fast.problems), _problems(fast)
+
+
+def test_crc_records_of_recognised_directories_are_each_files_own(many16_root, directory_hits):
+    """The storage records the merge's CRC-32 check lists (core/integrity.py) from zip
+    directories recognised from another rank file's are the records of the file itself."""
+    from shardscope.core.formats.torchsave import DirectoryCache
+    from shardscope.core.integrity import _records_of
+
+    cache = DirectoryCache()
+    files = sorted((many16_root / "w16-fsdp2").glob("*.pt"))
+    for f in files:
+        with zipfile.ZipFile(f) as z:
+            crcs = {i.filename: (i.CRC, i.file_size) for i in z.infolist()}
+        got = _records_of(str(f), [(0, -1)], cache)
+        assert got == _records_of(str(f), [(0, -1)])
+        assert {name: (crc, size) for _, size, crc, name in got} == \
+            {n: v for n, v in crcs.items() if "/data/" in n}
+    assert sum(d is not None for d in directory_hits) >= len(files) - 4, directory_hits
