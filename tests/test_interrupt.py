@@ -197,3 +197,51 @@ def test_interrupt_after_the_commit_keeps_the_merge_and_says_so(planned, fixture
     assert cancel.is_set() and result.output == str(out)
     assert compare(str(out), str(fixtures_root / "w2-qwen2-f32.reference"), 0, 0) == []
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".out")] == []
+
+
+# -- the app: escape while the merge is planning -------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_escape_while_the_app_plans_a_merge_stops_it_there(fixtures_root, tmp_path,
+                                                                 monkeypatch):
+    """Escape while the merge run screen is planning (held at the tied-weights check, before
+    the architecture check's steps): the merge stops at the next step, run_merge never
+    starts, nothing is left; the screen says it was cancelled."""
+    import threading
+
+    from conftest import wait_for
+    from shardscope.core import judge
+    from shardscope.tui.app import make_app
+    from shardscope.tui.screens import merge_run
+    from test_app import open_form, open_inspector
+
+    gate, entered = threading.Event(), threading.Event()
+    real_tied, real_run, ran = judge.tied_aliases, merge_run.run_merge, []
+
+    def gated(*a, **k):  # the test's gate: planning waits here until escape was pressed
+        entered.set()
+        gate.wait(10)
+        return real_tied(*a, **k)
+
+    def run_merge(*a, **k):
+        ran.append(True)
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(judge, "tied_aliases", gated)
+    monkeypatch.setattr(merge_run, "run_merge", run_merge)
+    monkeypatch.setenv("SHARDSCOPE_CACHE", "off")  # the check's steps run, not the cache's
+    out = tmp_path / "out"
+    app = make_app(str(fixtures_root / "w3-llama-f32"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await open_inspector(pilot, app)
+        await open_form(pilot, app, out)
+        await pilot.click("#ok")
+        await wait_for(pilot, entered.is_set, tries=400)
+        run = app.screen
+        await pilot.press("escape")
+        gate.set()
+        await wait_for(pilot, lambda: run.finished, tries=400)
+        assert "cancelled; nothing was written" in str(run.query_one("#status").render())
+    assert ran == []
+    assert_nothing_left(tmp_path, out)
