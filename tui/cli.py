@@ -837,6 +837,14 @@ def cmd_sample(args) -> int:
 def entry() -> None:
     """Console-script entry point (and ``python -m shardscope.tui.cli``)."""
     code = main()
+    if "--distributed" in sys.argv[1:] and "torch.distributed" in sys.modules:
+        # a process that was in a gloo process group ends without running C++ static
+        # destructors: after a SIGTERM or a lost peer, gloo's threads could otherwise abort
+        # the exit ("terminate called without an active exception", signal 6) and hide the
+        # exit code that was decided above (the output is already renamed or removed)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
     if code == 130:
         # interrupted: exit 130 as said. CPython 3.11's `python -m` (Modules/main.c
         # Py_RunMain) kills itself with SIGINT after a clean exit when a KeyboardInterrupt once
@@ -850,14 +858,6 @@ def entry() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
-    if "--distributed" in sys.argv[1:] and "torch.distributed" in sys.modules:
-        # a process that was in a gloo process group ends without running C++ static
-        # destructors: after a SIGTERM or a lost peer, gloo's threads could otherwise abort
-        # the exit ("terminate called without an active exception", signal 6) and hide the
-        # exit code that was decided above (the output is already renamed or removed)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 1)
     sys.exit(code)
 
 
