@@ -520,9 +520,11 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     between tensors and pieces; ``log`` receives one line per step (for ``--verbose``).
     Raises :class:`MergeCancelled` when cancelled, :class:`BadCheckpointError` on a read
     failure, :class:`OutputExistsError` when the output appeared meanwhile; in every case the
-    temporary folder is removed and nothing is left at the output. ``sources``: where source
-    bytes are read (default: local files; core/distributed.py passes one that fetches the
-    pieces other nodes hold).
+    temporary folder is removed and nothing is left at the output (a KeyboardInterrupt too,
+    up to the commit: the rename into place and a last check of ``cancel``; a replaced
+    output is then back as it was). An interrupt after the commit does not undo the merge:
+    ``cancel`` is then set on return. ``sources``: where source bytes are read (default:
+    local files; core/distributed.py passes one that fetches the pieces other nodes hold).
     """
     cancel = cancel or threading.Event()
     opts = plan.options
@@ -604,17 +606,33 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
             checker.result()  # raises when a record fails its CRC-32
         if cancel.is_set():
             raise MergeCancelled("merge cancelled")
-        _move_into_place(tmp, out, opts.overwrite)
+        trash = _move_into_place(tmp, out, opts.overwrite, cancel)
     except BaseException as e:
         cancel.set()  # stop workers still running
-        shutil.rmtree(tmp, ignore_errors=True)
-        if checker is not None and isinstance(e, MergeCancelled):
-            checker.result()  # the writer stopped because a record failed its CRC-32
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if checker is not None and isinstance(e, MergeCancelled):
+                checker.result()  # the writer stopped because a record failed its CRC-32
+        finally:
+            w.src.close()
         raise
-    finally:
-        w.src.close()
+    # committed: the merge is at ``out``; an interrupt from here on does not undo it: it sets
+    # ``cancel`` (a caller can tell that it came after the merge was written) and the tidying
+    # is finished
+    try:
+        _tidy(w.src, trash)
+    except KeyboardInterrupt:
+        cancel.set()
+        _tidy(w.src, trash)
     return MergeResult(str(out), written, plan.total_bytes, time.perf_counter() - t0,
                        plan.tensor_count, warnings, len(crc_records), unchecked)
+
+
+def _tidy(src, trash: Path | None) -> None:
+    """After the commit: close the source files, remove the replaced output (if any)."""
+    src.close()
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _write_config_dtype(text: str, dst: Path, dtype: str) -> None:
@@ -645,12 +663,28 @@ def _drain(futures: list, cancel: threading.Event, keep: int) -> None:
         futures[:] = [f for f in futures if f not in done]
 
 
-def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
-    if out.exists():
-        check_output(out, overwrite)
-        trash = out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
-        os.rename(out, trash)
+def _move_into_place(tmp: Path, out: Path, overwrite: bool,
+                     cancel: threading.Event) -> Path | None:
+    """Publish the finished folder ``tmp`` at ``out`` (an existing ``out`` first renamed
+    aside, with ``overwrite``). Returns that old folder, for the caller to remove once the
+    merge is committed, or None. The commit point is the last check of ``cancel`` after the
+    renames: an interrupt before it (KeyboardInterrupt raised between any two steps, or
+    ``cancel`` set meanwhile) undoes the renames, judged from the folders themselves
+    (``tmp`` is gone only once renamed to ``out``), so the old ``out`` is back, ``tmp`` holds
+    the new folder (removed by the caller) and the exception propagates."""
+    trash = None
+    try:
+        if out.exists():
+            check_output(out, overwrite)
+            trash = out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
+            os.rename(out, trash)
         os.rename(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+        if cancel.is_set():
+            raise MergeCancelled("merge cancelled")
+    except BaseException:
+        if not tmp.exists() and out.exists():
+            os.rename(out, tmp)
+        if trash is not None and trash.exists() and not out.exists():
+            os.rename(trash, out)
+        raise
+    return trash

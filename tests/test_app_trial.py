@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import copy_checkpoint, inspector_ready, wait_for
+from app_helpers import open_merge_form
+from conftest import copy_checkpoint, wait_for
 from test_merge_exact import assert_bit_equal, load
 from shardscope.tui.app import make_app
 from shardscope.tui.screens.browser import BrowserScreen
@@ -77,18 +78,12 @@ async def test_merge_form_takes_typing_at_once_and_enter_submits(fixtures_root, 
     merge, which is bit-exact."""
     from textual.widgets import Checkbox, Input
 
-    from shardscope.tui.screens.merge_options import MergeOptionsScreen
     from shardscope.tui.screens.merge_run import MergeRunScreen
 
     out = tmp_path / "typed-out"
     app = make_app(str(fixtures_root / "w2-qwen2-f32"))
     async with app.run_test(size=(80, 24)) as pilot:
-        await inspector_ready(pilot, app)
-        await pilot.press("m")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen)
-                       and app.screen.is_mounted)
-        form = app.screen
-        await pilot.pause(0.1)
+        form = await open_merge_form(pilot, app)
         assert form.focused is form.query_one("#output", Input)
         await pilot.press(*str(out))
         assert form.query_one("#output", Input).value == str(out)

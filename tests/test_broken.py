@@ -295,7 +295,9 @@ def test_ctrl_c_exits_130_and_removes_the_temporary_folder(fixtures_root, tmp_pa
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT,
                              str(fixtures_root / "w4-fsdp2"), str(out)], cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # SIGINT as Python expects it, even under a parent ignoring it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # planning first (a cold architecture check imports transformers: slow on a busy machine)
     deadline = time.time() + 300
     while time.time() < deadline and not any((tmp_path.glob(".out.shardscope-tmp-*"))):

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from conftest import ROOT, inspector_ready, wait_for
+from app_helpers import open_merge_form
+from conftest import ROOT, wait_for
 from shardscope.core.phases import phase, reporting
 from test_merge_exact import assert_bit_equal, load
 
@@ -79,7 +80,6 @@ def test_phase_reports_each_step_once():
 async def test_app_merge_shows_planning_steps_and_total_time(fixtures_root, tmp_path,
                                                              monkeypatch):
     from shardscope.tui.app import make_app
-    from shardscope.tui.screens.merge_options import MergeOptionsScreen
     from shardscope.tui.screens.merge_run import MergeRunScreen
 
     held, gate = threading.Event(), threading.Event()
@@ -95,12 +95,8 @@ async def test_app_merge_shows_planning_steps_and_total_time(fixtures_root, tmp_
     out = tmp_path / "out"
     app = make_app(str(fixtures_root / "w2-qwen2-f32"))
     async with app.run_test(size=(120, 40)) as pilot:
-        await inspector_ready(pilot, app)
-        await pilot.press("m")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeOptionsScreen)
-                       and app.screen.is_mounted and bool(app.screen.query("#output")))
-        await pilot.pause(0.2)  # the form's own widgets (its Selects) finish mounting
-        app.screen.query_one("#output").value = str(out)
+        form = await open_merge_form(pilot, app)
+        form.query_one("#output").value = str(out)
         await pilot.click("#ok")
         await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
         run = app.screen

@@ -197,7 +197,7 @@ def _quiet_frameworks() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardscope.core import ShardscopeError
+    from shardscope.core import MergeCancelled, ShardscopeError
 
     _quiet_frameworks()
 
@@ -223,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             from shardscope.tui.app import run_app
 
             return run_app()
-        with _signals_interrupt():
+        with _signals_interrupt() as signals:
+            args.cancel = signals.cancel
             return {"inspect": cmd_inspect, "merge": cmd_merge, "verify": cmd_verify,
                     "sample": cmd_sample, "upload": cmd_upload,
                     "diff": cmd_diff}[args.command](args)
+    except MergeCancelled:  # the command's cancel event, set by a signal (see _signals_interrupt)
+        print("shardscope: interrupted; nothing was written", file=sys.stderr)
+        return 130
     except ShardscopeError as e:
         if args.command == "inspect" and args.json:
             # `inspect --json` always prints one JSON document, a usage refusal too (a missing
@@ -252,18 +256,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _signals_interrupt:
-    """For the whole command (reading, planning, writing): SIGTERM and SIGHUP unwind like
-    Ctrl-C (KeyboardInterrupt), so every command exits 130 with "interrupted; nothing was
-    written" and a merge removes its temporary folder. The previous handlers come back after."""
+    """For the whole command (reading, planning, writing): SIGINT (Ctrl-C), SIGTERM and SIGHUP
+    set :attr:`cancel` and raise KeyboardInterrupt, so every command exits 130 with
+    "interrupted; nothing was written" and a merge removes its temporary folder. The event
+    outlives the exception: Python runs a signal handler in whatever code the main thread is
+    running, and code that eats the KeyboardInterrupt there (an ``except BaseException``, a
+    finaliser, C code that clears errors, while torch and transformers are imported) must not
+    let the merge go on; the merge checks the event at each step and before its output is
+    renamed into place. A SIGINT ignored by the parent (SIG_IGN: a background job of a
+    non-interactive shell) stays ignored, as Python leaves it. The previous handlers come
+    back after."""
 
     def __enter__(self):
         import signal
 
+        self.cancel = threading.Event()
+
         def stop(signum, frame):
+            self.cancel.set()
             raise KeyboardInterrupt
 
         self.old = {}
-        for s in (signal.SIGTERM, signal.SIGHUP):
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
+                continue
             try:
                 self.old[s] = signal.signal(s, stop)
             except ValueError:  # not the main thread (an embedding program): leave them
@@ -276,6 +292,13 @@ class _signals_interrupt:
         for s, h in self.old.items():
             signal.signal(s, h)
         return False
+
+
+def _stop_if_interrupted(cancel: threading.Event) -> None:
+    """Raise KeyboardInterrupt when a signal set ``cancel`` (its own KeyboardInterrupt may
+    have been eaten by the code that was running when it came)."""
+    if cancel.is_set():
+        raise KeyboardInterrupt
 
 
 def _check_args(args) -> None:
@@ -445,13 +468,16 @@ def cmd_merge(args) -> int:
     log = (lambda msg: err.print(f"[dim]{msg}[/]", highlight=False)) if args.verbose else None
     if args.distributed:
         return _merge_distributed(args, path, output, repo_id, err, log)
+    # set by Ctrl-C, SIGTERM, SIGHUP (_signals_interrupt); checked between every step
+    cancel = getattr(args, "cancel", None) or threading.Event()
     if log:
         log(f"reading the layout of {path}")
     started = time.perf_counter()
-    phases = _Phases(err, show=not args.quiet and err.is_terminal, log=log)
+    phases = _Phases(err, show=not args.quiet and err.is_terminal, log=log, cancel=cancel)
     with phases:
         layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights,
                         hf_config=args.hf_config or args.hf_model_path)
+    _stop_if_interrupted(cancel)
     if (layout.notes and layout.notes[0].startswith("reading the whole checkpoint folder")
             and not args.quiet):
         err.print(f"note: {layout.notes[0]}", highlight=False)  # PATH was one of its files
@@ -465,6 +491,7 @@ def cmd_merge(args) -> int:
                              "adapter", layout.path)
     if args.deep and not layout.errors:
         layout.problems.extend(_deep(layout, show=not args.quiet))
+        _stop_if_interrupted(cancel)
     opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
                         workers=args.workers, lora=args.lora,
@@ -475,12 +502,12 @@ def cmd_merge(args) -> int:
                         crc=args.crc)
     with phases:
         plan = plan_merge(layout, opts)
+    _stop_if_interrupted(cancel)
     for w in plan.warnings if not args.quiet else ():  # -q: errors only, and the exit code
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
     if log:
         log(f"{layout.format}: {len(layout.tensors)} tensors, {layout.world_size} ranks -> "
             f"{len(plan.files)} output files, {plan.total_bytes} bytes")
-    cancel = threading.Event()
     show = not args.quiet and err.is_terminal
     if show:
         from shardscope.tui.progress import MergeProgressView
@@ -489,11 +516,19 @@ def cmd_merge(args) -> int:
             result = _run_cancellable(plan, view.update, cancel, log)
     else:
         result = _run_cancellable(plan, None, cancel, log)
-    if not args.quiet:
-        _merge_summary(result, plan, started, err)
-    if repo_id:
-        return _verified_upload(result.output, repo_id, args.private, args.revision,
-                                args.commit_message, quiet=args.quiet)
+    # the merge is at OUT (run_merge's commit): an interrupt from here on must not say
+    # "nothing was written"
+    try:
+        _stop_if_interrupted(cancel)
+        if not args.quiet:
+            _merge_summary(result, plan, started, err)
+        if repo_id:
+            return _verified_upload(result.output, repo_id, args.private, args.revision,
+                                    args.commit_message, quiet=args.quiet)
+    except KeyboardInterrupt:
+        print(f"shardscope: interrupted after the merge was written to {result.output}"
+              + ("; nothing was uploaded" if repo_id else ""), file=sys.stderr)
+        return 130
     return 0
 
 
@@ -514,11 +549,12 @@ def _merge_summary(result, plan, started, err) -> None:
 
 class _Phases:
     """While reading the layout and planning: core's phase reports (core/phases.py) shown as
-    one transient status line on a terminal, and logged with ``-v``. Re-entrant: one block per
-    step (the --deep progress bar runs between them)."""
+    one transient status line on a terminal, and logged with ``-v``; each report first raises
+    KeyboardInterrupt when ``cancel`` is set. Re-entrant: one block per step (the --deep
+    progress bar runs between them)."""
 
-    def __init__(self, err, show: bool, log):
-        self.err, self.show, self.log = err, show, log
+    def __init__(self, err, show: bool, log, cancel: threading.Event | None = None):
+        self.err, self.show, self.log, self.cancel = err, show, log, cancel
 
     def __enter__(self):
         from shardscope.core.phases import reporting
@@ -531,6 +567,8 @@ class _Phases:
         return self
 
     def update(self, text: str) -> None:
+        if self.cancel is not None:  # each step: stop there after an eaten KeyboardInterrupt
+            _stop_if_interrupted(self.cancel)
         if self.status is not None:
             self.status.update(text)
         if self.log:
@@ -632,25 +670,16 @@ def cmd_upload(args) -> int:
 
 
 def _run_cancellable(plan, on_progress, cancel, log):
-    """Run the merge; Ctrl-C, SIGTERM and SIGHUP set the cancel event and unwind, so the core
-    removes its temporary folder (kill -9 cannot be caught: the next merge cleans up)."""
-    import signal
-
+    """Run the merge; Ctrl-C, SIGTERM and SIGHUP (_signals_interrupt) set the cancel event and
+    unwind, so the core removes its temporary folder (kill -9 cannot be caught: the next merge
+    cleans up)."""
     from shardscope.core import run_merge
 
-    def stop(signum, frame):
-        cancel.set()
-        raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return run_merge(plan, on_progress=on_progress, cancel=cancel, log=log)
     except KeyboardInterrupt:
         cancel.set()
         raise
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def cmd_verify(args) -> int:
@@ -723,7 +752,7 @@ def cmd_diff(args) -> int:
     --atol/--rtol), 1 when they differ, 2/3 for usage/bad checkpoint, 130 on Ctrl-C."""
     from rich.console import Console
 
-    from shardscope.core import UsageError
+    from shardscope.core import MergeCancelled, UsageError
     from shardscope.core.diff import SideOptions, check_readable, diff_checkpoints
 
     if args.atol < 0 or args.rtol < 0 or args.top < 0:
@@ -735,7 +764,7 @@ def cmd_diff(args) -> int:
                        lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
                        lora_config=args.lora_config, base_model=args.base_model)
     err = Console(stderr=True, soft_wrap=True)
-    cancel = threading.Event()
+    cancel = getattr(args, "cancel", None) or threading.Event()
     try:
         if not args.quiet and err.is_terminal:
             from rich.progress import Progress
@@ -752,7 +781,7 @@ def cmd_diff(args) -> int:
         else:
             result = diff_checkpoints(args.a, args.b, args.atol, args.rtol, side, side,
                                       cancel=cancel)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, MergeCancelled):
         cancel.set()
         print("shardscope: interrupted", file=sys.stderr)
         return 130
@@ -806,7 +835,7 @@ def cmd_sample(args) -> int:
 
 
 def entry() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (and ``python -m shardscope.tui.cli``)."""
     code = main()
     if "--distributed" in sys.argv[1:] and "torch.distributed" in sys.modules:
         # a process that was in a gloo process group ends without running C++ static
@@ -816,6 +845,19 @@ def entry() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)
+    if code == 130:
+        # interrupted: exit 130 as said. CPython 3.11's `python -m` (Modules/main.c
+        # Py_RunMain) kills itself with SIGINT after a clean exit when a KeyboardInterrupt once
+        # escaped an exec() of source (Python/pythonrun.c run_eval_code_obj sets the
+        # "unhandled Ctrl-C" flag even though it was caught later); dataclasses and
+        # namedtuple exec their methods while torch and transformers are imported, so a
+        # Ctrl-C there ended the process with -2, not 130. The atexit functions still run.
+        import atexit
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     sys.exit(code)
 
 

@@ -82,16 +82,24 @@ class MergeRunScreen(Screen):
     @work(thread=True, group="merge", exclusive=True, exit_on_error=False,
           description="merge")
     def run_merge(self) -> None:
-        worker = get_current_worker()
+        cancel = get_current_worker().cancelled_event  # set by escape (and q, quitting)
         try:
             from shardscope.core.phases import reporting
 
-            with reporting(self.on_phase):  # planning can take a minute on a loaded machine
+            def on_phase(text: str) -> None:
+                # each planning step: escape stops the merge there (planning can take a
+                # minute on a loaded machine: torch and transformers imported cold)
+                if cancel.is_set():
+                    raise MergeCancelled("merge cancelled")
+                self.on_phase(text)
+
+            with reporting(on_phase):
                 plan = plan_merge(self.ckpt, self.options)
+            if cancel.is_set():  # nothing of the merge written, not even its temporary folder
+                raise MergeCancelled("merge cancelled")
             self.plan = plan
             self.app.call_from_thread(self._show_plan, plan)
-            result = run_merge(plan, on_progress=self.on_progress,
-                               cancel=worker.cancelled_event)
+            result = run_merge(plan, on_progress=self.on_progress, cancel=cancel)
             from shardscope.core.verify import verify_folder
 
             problems = [f"{p.code}: {p.message}" for p in verify_folder(result.output)
