@@ -285,6 +285,54 @@ def flip_largest_storage(f: Path, base: int = 0, length: int | None = None) -> t
     return data, info.file_size
 
 
+def run_cli(*args, cwd: str | os.PathLike | None = None) -> "subprocess.CompletedProcess":
+    """``shardscope ARGS`` run in this process: :func:`shardscope.tui.cli.main` with stdout and
+    stderr captured, as a ``CompletedProcess`` (returncode, stdout, stderr; an argparse exit
+    is its code). For the tests about what a command prints and returns, not about the
+    process: starting ``python -m shardscope.tui.cli`` costs a second or more of imports each
+    time (torch and transformers for a check or a verify), this the first time only. The
+    tests about the process itself (signals, exit without a traceback, what is imported,
+    several ranks) keep starting one. The in-memory models of the architecture check
+(core.judge) are dropped first, as a new process has none. Python's default warning filters apply, and a warning
+    is printed to the captured stderr as a subprocess would print it; ``cwd`` is entered for
+    the call (relative paths)."""
+    import contextlib
+    import io
+    import subprocess
+    import warnings
+
+    from shardscope.core import judge
+    from shardscope.tui.cli import main
+
+    with judge._lock:  # as in a new process: the architecture check's models are built anew
+        judge._cache.clear()
+        judge._models.clear()
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings():
+        warnings.resetwarnings()  # the interpreter's defaults (no -W, not __main__)
+        for cat in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                    ResourceWarning):
+            warnings.simplefilter("ignore", cat)
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            code = main(argv)
+        except SystemExit as e:  # argparse: usage errors, --help
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+                code = 1
+            else:
+                code = e.code or 0
+        finally:
+            os.chdir(old)
+            sys.stdout.flush()
+    return subprocess.CompletedProcess(["shardscope", *argv], code, out.getvalue(),
+                                       err.getvalue())
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)

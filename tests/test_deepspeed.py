@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, _cache_root, cached, copy_checkpoint
+from conftest import ROOT, _cache_root, cached, copy_checkpoint, run_cli
 from shardscope.core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 
 pytest.importorskip("deepspeed")
@@ -169,9 +169,7 @@ def ds_more():
 
 
 def _merge(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
-                           str(out),
-                           *args], cwd=ROOT, capture_output=True, text=True)
+    return run_cli("merge", src, "-o", out, *args, cwd=ROOT)  # in this process
 
 
 @pytest.mark.parametrize("name", FROZEN)
