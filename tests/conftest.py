@@ -128,21 +128,25 @@ def fixtures_root() -> Path:
 def megatron_root() -> Path:
     """Folder holding ``<family>/`` for every family of :mod:`core.sample_megatron` (each
     with ``reference/`` and its layouts' ``torch_dist/`` and ``legacy/``), written by real
-    megatron-core on gloo and cached like :func:`fixtures_root`."""
+    megatron-core on gloo (:func:`fixtures_megatron.write_megatron_groups`: one process group
+    for all of them, the tensors byte-identical to one group per family) and cached like
+    :func:`fixtures_root`."""
     from importlib.metadata import version
 
     import torch
 
-    from shardscope.core.sample_megatron import FAMILIES, write_megatron
+    from shardscope.core.sample_megatron import FAMILIES, LAYOUTS
+    from fixtures_megatron import write_megatron_groups
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("megatron-core"),
          (ROOT / "core" / "sample_megatron.py").read_text(),
-         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+         (ROOT / "core" / "sample.py").read_text(),
+         (ROOT / "tests" / "fixtures_megatron.py").read_text()]).encode()).hexdigest()[:16]
 
-    def write(tmp: Path) -> None:
-        for family in FAMILIES:
-            write_megatron(tmp / family, family)
+    def write(tmp: Path) -> None:  # every family is TP x PP x EP <= 4: one process group
+        write_megatron_groups(tmp, {name: (f, False, LAYOUTS.get(name, [(2, 2, 0, 1, False)]))
+                                    for name, f in FAMILIES.items()})
 
     return cached(_cache_root().parent / f"megatron-{key}", write)
 
