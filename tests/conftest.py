@@ -96,8 +96,11 @@ def _cache_root() -> Path:
 
 def cached(root: Path, write, lock: str = "lock") -> Path:
     """``root``, written once by ``write(tmp)`` into a temporary folder renamed into place
-    when complete; a file lock makes one process write while the others wait."""
+    when complete; a file lock makes one process write while the others wait. The marker
+    file ``complete`` records how long the writer took (wall seconds, lock wait excluded):
+    the suite's fixture costs, for tuning it."""
     import fcntl
+    import time
 
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / lock, "w") as f:
@@ -105,8 +108,9 @@ def cached(root: Path, write, lock: str = "lock") -> Path:
         if not (root / "complete").exists():
             tmp = root.with_name(root.name + f".tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
+            started = time.monotonic()
             write(tmp)
-            (tmp / "complete").write_text("ok")
+            (tmp / "complete").write_text(f"ok, written in {time.monotonic() - started:.1f} s\n")
             shutil.rmtree(root, ignore_errors=True)
             os.rename(tmp, root)
     return root

@@ -111,9 +111,8 @@ def test_inspect_shows_the_parallel_layout(megatron_root, kind):
 
 
 def test_inspect_cli_json(megatron_root):
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", "--json", "--params",
-                        str(megatron_root / "qwen2" / "tp2_pp2" / "legacy")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("inspect", "--json", "--params",
+                str(megatron_root / "qwen2" / "tp2_pp2" / "legacy"), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["format"] == "megatron-legacy"
