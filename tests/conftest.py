@@ -96,8 +96,11 @@ def _cache_root() -> Path:
 
 def cached(root: Path, write, lock: str = "lock") -> Path:
     """``root``, written once by ``write(tmp)`` into a temporary folder renamed into place
-    when complete; a file lock makes one process write while the others wait."""
+    when complete; a file lock makes one process write while the others wait. The marker
+    file ``complete`` records how long the writer took (wall seconds, lock wait excluded):
+    the suite's fixture costs, for tuning it."""
     import fcntl
+    import time
 
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / lock, "w") as f:
@@ -105,8 +108,9 @@ def cached(root: Path, write, lock: str = "lock") -> Path:
         if not (root / "complete").exists():
             tmp = root.with_name(root.name + f".tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
+            started = time.monotonic()
             write(tmp)
-            (tmp / "complete").write_text("ok")
+            (tmp / "complete").write_text(f"ok, written in {time.monotonic() - started:.1f} s\n")
             shutil.rmtree(root, ignore_errors=True)
             os.rename(tmp, root)
     return root
@@ -128,21 +132,25 @@ def fixtures_root() -> Path:
 def megatron_root() -> Path:
     """Folder holding ``<family>/`` for every family of :mod:`core.sample_megatron` (each
     with ``reference/`` and its layouts' ``torch_dist/`` and ``legacy/``), written by real
-    megatron-core on gloo and cached like :func:`fixtures_root`."""
+    megatron-core on gloo (:func:`fixtures_megatron.write_megatron_groups`: one process group
+    for all of them, the tensors byte-identical to one group per family) and cached like
+    :func:`fixtures_root`."""
     from importlib.metadata import version
 
     import torch
 
-    from shardscope.core.sample_megatron import FAMILIES, write_megatron
+    from shardscope.core.sample_megatron import FAMILIES, LAYOUTS
+    from fixtures_megatron import write_megatron_groups
 
     key = hashlib.sha256(json.dumps(
         [torch.__version__, version("megatron-core"),
          (ROOT / "core" / "sample_megatron.py").read_text(),
-         (ROOT / "core" / "sample.py").read_text()]).encode()).hexdigest()[:16]
+         (ROOT / "core" / "sample.py").read_text(),
+         (ROOT / "tests" / "fixtures_megatron.py").read_text()]).encode()).hexdigest()[:16]
 
-    def write(tmp: Path) -> None:
-        for family in FAMILIES:
-            write_megatron(tmp / family, family)
+    def write(tmp: Path) -> None:  # every family is TP x PP x EP <= 4: one process group
+        write_megatron_groups(tmp, {name: (f, False, LAYOUTS.get(name, [(2, 2, 0, 1, False)]))
+                                    for name, f in FAMILIES.items()})
 
     return cached(_cache_root().parent / f"megatron-{key}", write)
 
@@ -309,6 +317,54 @@ def flip_largest_storage(f: Path, base: int = 0, length: int | None = None) -> t
         fh.seek(pos)
         fh.write(bytes([b[0] ^ 0x5A]))
     return data, info.file_size
+
+
+def run_cli(*args, cwd: str | os.PathLike | None = None) -> "subprocess.CompletedProcess":
+    """``shardscope ARGS`` run in this process: :func:`shardscope.tui.cli.main` with stdout and
+    stderr captured, as a ``CompletedProcess`` (returncode, stdout, stderr; an argparse exit
+    is its code). For the tests about what a command prints and returns, not about the
+    process: starting ``python -m shardscope.tui.cli`` costs a second or more of imports each
+    time (torch and transformers for a check or a verify), this the first time only. The
+    tests about the process itself (signals, exit without a traceback, what is imported,
+    several ranks) keep starting one. The in-memory models of the architecture check
+(core.judge) are dropped first, as a new process has none. Python's default warning filters apply, and a warning
+    is printed to the captured stderr as a subprocess would print it; ``cwd`` is entered for
+    the call (relative paths)."""
+    import contextlib
+    import io
+    import subprocess
+    import warnings
+
+    from shardscope.core import judge
+    from shardscope.tui.cli import main
+
+    with judge._lock:  # as in a new process: the architecture check's models are built anew
+        judge._cache.clear()
+        judge._models.clear()
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings():
+        warnings.resetwarnings()  # the interpreter's defaults (no -W, not __main__)
+        for cat in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                    ResourceWarning):
+            warnings.simplefilter("ignore", cat)
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            code = main(argv)
+        except SystemExit as e:  # argparse: usage errors, --help
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+                code = 1
+            else:
+                code = e.code or 0
+        finally:
+            os.chdir(old)
+            sys.stdout.flush()
+    return subprocess.CompletedProcess(["shardscope", *argv], code, out.getvalue(),
+                                       err.getvalue())
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:

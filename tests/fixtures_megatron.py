@@ -3,11 +3,12 @@ sets) written with one gloo process group per world size instead of one per fami
 torch, transformers and megatron-core is most of a rank's time. Each rank runs the writers of
 those modules unchanged (``_write_reference``, then ``_write_layout`` per layout) for every
 family of its world size in turn; every family seeds its own models (``torch.manual_seed``), so
-the files hold the same weights as one process group per family would write. Not the same
-bytes everywhere: a legacy ``model_optim_rng.pt`` records the process's Python RNG state, whose
-pickle size depends on what ran before in that process, and ``test_snapshots_small`` draws the
-file sizes of ``megatron_root``'s ``llama/tp2_pp2/legacy``; so only ``megatron_moe_root`` uses
-this writer."""
+the files hold the same weights as one process group per family would write (checked: every
+``.distcp`` and ``.safetensors`` file byte-identical). Not the same bytes everywhere: a legacy
+``model_optim_rng.pt`` records the process's Python RNG state, whose pickle size varies from
+run to run anyway, and a ``torch_dist`` ``.metadata`` records the folder it was written to; no
+test draws either (``test_snapshots_small`` checks the Megatron file table's rows, not its
+sizes). ``megatron_root`` (all families, world 4) and ``megatron_moe_root`` use this writer."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, copy_checkpoint
+from conftest import ROOT, copy_checkpoint, run_cli
 from shardscope.core import MergeCancelled, MergeOptions, detect, plan_merge, run_merge
 
 
@@ -24,9 +24,7 @@ def codes(layout):
 
 
 def merge_cli(src, out):
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
-                           str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_cli("merge", src, "-o", out, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 @pytest.fixture

@@ -8,13 +8,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, copy_checkpoint
+from conftest import ROOT, copy_checkpoint, run_cli
 from shardscope.tui.cli import main
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return run_cli(*args, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 def inspect_json(path) -> dict:

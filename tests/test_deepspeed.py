@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, _cache_root, cached, copy_checkpoint
+from conftest import ROOT, _cache_root, cached, copy_checkpoint, run_cli
 from shardscope.core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 
 pytest.importorskip("deepspeed")
@@ -93,27 +93,23 @@ def test_missing_optimizer_file(ds_root, tmp_path):
     os.remove(victim)
     layout = detect(ck)
     assert ("missing-rank", victim.name) in {(p.code, Path(p.path).name) for p in layout.problems}
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
-                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+    r = run_cli("merge", str(ck), "-o", str(tmp_path / "out"), cwd=ROOT)
     assert r.returncode == 3 and not (tmp_path / "out").exists()
 
 
 def test_module_weights_and_tag(ds_root, tmp_path):
     """--weights module: the bf16 weights as trained (stage 2), same as the master rounded."""
     src = ds_root / "ds-z2-w3-bf16"
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "--tag",
-                        "global_step0", "--weights", "module", "-o", str(tmp_path / "o")],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = run_cli("merge", str(src), "--tag", "global_step0", "--weights", "module", "-o",
+                str(tmp_path / "o"), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     got = load_file(tmp_path / "o" / "model.safetensors")
     ref = load_file(ds_root / "ds-z2-w3-bf16.reference" / "model.safetensors")
     assert set(got) == set(ref)
     for k, v in ref.items():
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)), k
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge",
-                        str(ds_root / "ds-z3-w2-bf16"),
-                        "--weights", "module", "-o", str(tmp_path / "o3")],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = run_cli("merge", str(ds_root / "ds-z3-w2-bf16"), "--weights", "module", "-o",
+                str(tmp_path / "o3"), cwd=ROOT)
     assert r.returncode == 3 and "stage 3 keeps no module weights" in r.stderr
 
 
@@ -169,9 +165,7 @@ def ds_more():
 
 
 def _merge(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
-                           str(out),
-                           *args], cwd=ROOT, capture_output=True, text=True)
+    return run_cli("merge", src, "-o", out, *args, cwd=ROOT)  # in this process
 
 
 @pytest.mark.parametrize("name", FROZEN)
@@ -291,9 +285,7 @@ def test_inspect_honours_hf_config(ds_more, tmp_path):
     cfg = tmp_path / "cfg"
     os.rename(ck / "huggingface", cfg)
     assert detect(ck).config_dir is None
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", str(ck),
-                        "--hf-config",
-                        str(cfg), "--json"], cwd=ROOT, capture_output=True, text=True)
+    r = run_cli("inspect", str(ck), "--hf-config", str(cfg), "--json", cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["config_dir"] == str(cfg)
 

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, copy_checkpoint
+from conftest import ROOT, copy_checkpoint, run_cli
 from fixtures_diff import FROZEN
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "diff", *map(str, args)],
-                          cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return run_cli("diff", *args, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 def diff_json(*args) -> tuple[int, dict]:

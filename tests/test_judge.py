@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from shardscope.core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 from shardscope.core.judge import Expected, check, check_layout, compare as judge_compare
 from shardscope.core.verify import compare
@@ -176,13 +176,10 @@ def test_vlm_dcp_without_config_is_not_written_under_in_memory_names(models_root
     of writing them with exit 0; with the config it writes save_pretrained's names."""
     src = models_root / "qwen2_5_vl.dcp"
     assert any(n.startswith("model.language_model.") for n in detect(src).tensors)
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
-                        str(tmp_path / "a"), "-q"], cwd=ROOT, capture_output=True, text=True)
+    r = run_cli("merge", str(src), "-o", str(tmp_path / "a"), "-q", cwd=ROOT)
     assert r.returncode == 3 and not (tmp_path / "a").exists(), r.stderr
     assert r.stderr.count("\n") == 1 and "no config.json" in r.stderr and "--no-strict" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
-                        str(tmp_path / "b"), "--no-strict"], cwd=ROOT, capture_output=True,
-                       text=True)
+    r = run_cli("merge", str(src), "-o", str(tmp_path / "b"), "--no-strict", cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "in-memory" in r.stderr and "names unchecked" in (tmp_path / "b" / "README.md").read_text()
     merge(src, tmp_path / "c", hf_config=str(models_root / "qwen2_5_vl" / "huggingface"))
@@ -314,15 +311,12 @@ def test_unknown_model_type_says_check_skipped(fixtures_root, tmp_path):
 # -- inspect ------------------------------------------------------------------------------------
 
 def test_inspect_check_json_and_exit_code(fixtures_root, heads_root):
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect",
-                        str(fixtures_root / "w2-qwen2-bf16-tied"), "--check", "--json"],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = run_cli("inspect", str(fixtures_root / "w2-qwen2-bf16-tied"), "--check", "--json",
+                cwd=ROOT)
     assert r.returncode == 0, r.stderr
     c = json.loads(r.stdout)["check"]
     assert c["ok"] and c["summary"] == "matches Qwen2ForCausalLM: 26/26 tensors"
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect",
-                        str(fixtures_root / "w3-buffers"), "--check"],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = run_cli("inspect", str(fixtures_root / "w3-buffers"), "--check", cwd=ROOT)
     assert r.returncode == 3 and "architecture-mismatch" in r.stdout
     assert "3 extra (model.loss_scale, model.no_elements, model.step_count)" in \
         " ".join(r.stdout.split())

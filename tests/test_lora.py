@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, copy_checkpoint
+from conftest import ROOT, copy_checkpoint, run_cli
 from shardscope.core import MergeOptions, UsageError, detect, plan_merge, run_merge
 
 
@@ -98,8 +96,7 @@ def test_both_writes_the_folded_model_and_the_adapter(fixtures_root, tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True)
+    return run_cli(*args, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 def test_choice_is_required_and_alpha_never_invented(fixtures_root, tmp_path):

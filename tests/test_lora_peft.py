@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, copy_checkpoint
+from conftest import ROOT, copy_checkpoint, run_cli
 from shardscope.core import MergeOptions, UsageError, detect, plan_merge, run_merge
 from test_lora import exact
 
@@ -29,8 +29,7 @@ def merge(src, out, **kw):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True)
+    return run_cli(*args, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 def test_pattern_keys_match_as_peft_matches_them():

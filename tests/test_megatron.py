@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, copy_checkpoint
+from conftest import ROOT, copy_checkpoint, run_cli
 from shardscope.core import MergeOptions, detect, plan_merge, run_merge
 from shardscope.core.sample_megatron import LAYOUTS, PROBE, layout_name
 from test_merge_exact import assert_bit_equal, load
@@ -111,9 +111,8 @@ def test_inspect_shows_the_parallel_layout(megatron_root, kind):
 
 
 def test_inspect_cli_json(megatron_root):
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "inspect", "--json", "--params",
-                        str(megatron_root / "qwen2" / "tp2_pp2" / "legacy")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("inspect", "--json", "--params",
+                str(megatron_root / "qwen2" / "tp2_pp2" / "legacy"), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["format"] == "megatron-legacy"
@@ -152,9 +151,7 @@ def test_merge_never_imports_megatron(megatron_root, tmp_path):
 # --- damaged sets ---------------------------------------------------------------------------
 
 def merge_cli(src, out, *extra):
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(src), "-o",
-                           str(out),
-                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_cli("merge", src, "-o", out, *extra, cwd=ROOT)  # in this process
 
 
 def test_missing_rank_folder(megatron_root, tmp_path):

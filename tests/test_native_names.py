@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from shardscope.core import MergeOptions, detect, plan_merge, run_merge
 from shardscope.core.layout import Piece, TensorInfo
 from shardscope.core.native_names import permute_rows, recognise
@@ -36,8 +35,7 @@ CASES = {  # fixture -> (checkpoint folder, framework named in messages)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return run_cli(*args, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

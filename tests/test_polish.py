@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, copy_checkpoint, flip_largest_storage
+from conftest import ROOT, copy_checkpoint, flip_largest_storage, run_cli
 from shardscope.core import detect
 
 
-def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
-                          **kw)
+def cli(*args):
+    return run_cli(*args, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 def codes(layout):

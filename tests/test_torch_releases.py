@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, _cache_root, cached
+from conftest import ROOT, _cache_root, cached, run_cli
 from shardscope.core import MergeOptions, detect, plan_merge, run_merge
 from test_merge_exact import assert_bit_equal, load
 
@@ -172,9 +170,7 @@ def test_unknown_mesh_record_is_refused_naming_the_field(tp_root, tmp_path):
     assert "DeviceMesh" in probs[0].message and "_lay0ut" in probs[0].message
     assert "torch release" in probs[0].message
     assert not any("IndexError" in p.message for p in layout.problems)
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
-                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli("merge", str(ck), "-o", str(tmp_path / "out"), cwd=ROOT)
     assert r.returncode == 3 and "DeviceMesh" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -227,9 +223,7 @@ def test_hsdp_shard_without_any_copy_is_refused_naming_it(hsdp, tmp_path):
     assert layout.errors[0].code == "lost-shard"
     assert "ranks 1, 3" in layout.errors[0].message and ".weight" in layout.errors[0].message
     assert any(p.code == "coverage-gap" for p in layout.errors)
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(hsdp), "-o",
-                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli("merge", str(hsdp), "-o", str(tmp_path / "out"), cwd=ROOT)
     assert r.returncode == 3 and "no HSDP replica" in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -285,9 +279,7 @@ def test_dcp_safetensors_without_last_rank_says_a_rank_file_is_missing(fixtures_
 
     ck = shutil.copytree(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
     (ck / "shard-00003-model-00001-of-00001.safetensors").unlink()
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
-                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli("merge", str(ck), "-o", str(tmp_path / "out"), cwd=ROOT)
     assert r.returncode == 3 and "rank file is probably missing" in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -302,14 +294,10 @@ def test_dcp_safetensors_without_config_warns_that_a_lost_last_rank_cannot_be_se
     (ck / "shard-00003-model-00001-of-00001.safetensors").unlink()
     shutil.rmtree(ck / "huggingface")
     # strict (the default): no config, so the architecture check cannot vouch for the output
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
-                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli("merge", str(ck), "-o", str(tmp_path / "out"), cwd=ROOT)
     assert r.returncode == 3 and "architecture check skipped: no config.json" in r.stderr
     assert not (tmp_path / "out").exists()
-    r = subprocess.run([sys.executable, "-m", "shardscope.tui.cli", "merge", str(ck), "-o",
-                        str(tmp_path / "out"), "--no-strict"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = run_cli("merge", str(ck), "-o", str(tmp_path / "out"), "--no-strict", cwd=ROOT)
     assert "a missing last rank file cannot be detected" in r.stderr, r.stderr
     assert "2 rank files present" in r.stderr
 

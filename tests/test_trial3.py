@@ -4,21 +4,18 @@ checkpoint written by torch.distributed (tests/conftest.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from app_helpers import open_merge_form
-from conftest import ROOT, wait_for
+from conftest import ROOT, run_cli, wait_for
 from shardscope.core.phases import phase, reporting
 from test_merge_exact import assert_bit_equal, load
 
 
-def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def cli(*args):
+    return run_cli(*args, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 # -- 1. verify against a reference ends with a verdict naming the differences ----------------

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, copy_checkpoint, flip_largest_storage
+from conftest import ROOT, copy_checkpoint, flip_largest_storage, run_cli
 from shardscope.core import MergeOptions, detect, plan_merge
 
 
-def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "shardscope.tui.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def cli(*args):
+    return run_cli(*args, cwd=ROOT)  # in this process (conftest.run_cli)
 
 
 def tensors_in(layout, file: str, start: int, size: int) -> set[str]:
