@@ -165,11 +165,58 @@ def _pread_exact(fd: int, n: int, offset: int, path: str, buf=None) -> bytearray
 
 
 #: elements a streamed cast reads, converts and writes at a time (4 MiB of F32): buffers reused
-#: across steps cost no page faults, and memory stays bounded whatever the tensor's size
+#: across steps and pieces (:func:`_cast_buffers`) cost no page faults, and memory stays
+#: bounded whatever the tensor's size
 CAST_STEP = 1 << 20
 
 
-def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -> None:
+def _torch():
+    """``torch``, imported with Python's cyclic garbage collector paused while it loads: the
+    import makes tens of thousands of objects, so it triggers full collections that walk every
+    object the process holds (the layout and the plan too); in a merge process that had planned
+    the 4 GB checkpoint the import took 2.2-2.4 CPU s paused, 3.1-3.5 s collecting (loaded VM).
+    The collector is restored as it was (the objects are collected later as usual)."""
+    global _TORCH
+    if _TORCH is None:  # else imported and initialised (another thread waits in `import`)
+        import gc
+
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            import torch
+        finally:
+            if enabled:
+                gc.enable()
+        _TORCH = torch
+    return _TORCH
+
+
+_TORCH = None
+
+
+_scratch = threading.local()  # each worker thread's cast buffers, reused across pieces
+
+
+def _cast_buffers(isz: int, out_dtype):
+    """This thread's input buffer (:data:`CAST_STEP` elements of ``isz`` bytes: a torch
+    uint8 tensor, so never zero-filled) and output tensor (``out_dtype``), made once per
+    thread and reused by every piece it casts: a fresh 4 MiB ``bytearray`` per piece was a
+    memset of every buffer byte."""
+    torch = _torch()
+
+    key = (isz, out_dtype, CAST_STEP)
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    if key not in bufs:
+        inbuf = torch.empty(CAST_STEP * isz, dtype=torch.uint8).numpy()
+        out = torch.empty(CAST_STEP, dtype=out_dtype)
+        bufs[key] = (inbuf, out, out.view(torch.uint8).numpy())
+    return bufs[key]
+
+
+def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str,
+                record=None) -> None:
     """Cast contiguous piece ``p`` (F32/F16/BF16) to ``out_dtype`` from its file to ``dst`` at
     byte ``pos``, :data:`CAST_STEP` elements at a time, with torch's own conversion
     (``Tensor.copy_`` into a reused buffer: the kernel ``Tensor.to`` runs, so the bits are
@@ -178,22 +225,28 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -
     warm one, core/archcache.py, does not: then the cast pays the import); its vectorised
     loop casts at memory speed where numpy's bit steps took 1.6x (bf16) and 3.4x (fp16) the
     keep-dtype merge. One intra-op thread per worker thread (an
-    OpenMP setting of the calling thread, restored after): the workers are the parallelism."""
-    import warnings
+    OpenMP setting of the calling thread, restored after): the workers are the parallelism.
 
-    import torch
+    ``record``: the :class:`~.integrity.StorageRecord` that starts where the piece does (a
+    local file; the record may run past the piece's end): its CRC-32 is computed here over the
+    bytes just read, step by step (``zlib.crc32`` over the same buffer, still in the CPU
+    cache; it releases the GIL), instead of the CRC checker reading the record a second
+    time; a mismatch raises :func:`~.integrity.crc_error` (the merge's refusal naming the
+    file, the record and its tensor) after the piece is written (into the temporary folder,
+    which the refusal removes)."""
+    import warnings
+    import zlib
 
     from .dtypes import torch_dtype
 
+    torch = _torch()
     isz, osz = ITEMSIZE[p.dtype], ITEMSIZE[out_dtype]
     n = p.numel
     local = src.local(p.file)  # else bytes come through src.read (another node's file)
     fd = src.fd(p.file) if local else None
-    step = min(n, CAST_STEP)
-    inbuf = bytearray(step * isz)
-    out = torch.empty(step, dtype=torch_dtype(out_dtype))
-    out_bytes = out.view(torch.uint8).numpy()
+    inbuf, out, out_bytes = _cast_buffers(isz, torch_dtype(out_dtype))
     in_dtype = torch_dtype(p.dtype)
+    crc = 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -204,6 +257,8 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -
                 _pread_exact(fd, k * isz, p.byte_offset + i * isz, p.file, view)
             else:
                 view = memoryview(src.read(p.file, k * isz, p.byte_offset + i * isz))
+            if record is not None:
+                crc = zlib.crc32(view, crc)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a read-only buffer: only read here
                 x = torch.frombuffer(view, dtype=in_dtype, count=k)
@@ -211,6 +266,44 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str) -
             _pwrite_all(dst, out_bytes[:k * osz], pos + i * osz)
     finally:
         torch.set_num_threads(threads)
+    if record is not None:
+        # the record's bytes past the piece (FSDP2 pads the last rank's shard: its storage is
+        # longer than the rows it holds), read only for the CRC
+        done = p.nbytes
+        while done < record.size:
+            k = min(COPY_CHUNK, record.size - done)
+            crc = zlib.crc32(_pread_exact(fd, k, record.start + done, p.file), crc)
+            done += k
+        if crc != record.crc:
+            from .integrity import crc_error
+
+            raise crc_error(record)
+
+
+def fused_records(plan: MergePlan, records: list, is_local) -> dict[tuple[str, int], object]:
+    """The storage records whose CRC-32 the cast itself computes (:func:`_cast_range`), by
+    (file, byte offset): each starts where one streamed-cast piece of a local file starts, holds
+    it (its size at least the piece's; the bytes past it are read for the CRC alone) and is
+    used by that tensor alone. The CRC checker skips them: the cast reads all their
+    bytes anyway, so their check costs no second read. The conditions are those under which
+    :meth:`_Writer.write_tensor` sends a piece to :func:`_cast_range` (keep them in step)."""
+    by_start = {(r.file, r.start): r for r in records}
+    fused: dict[tuple[str, int], object] = {}
+    for of in plan.files:
+        for t in of.tensors:
+            rows = None  # _row_blocks(t), computed once per tensor and only when needed
+            for p in t.pieces:
+                r = by_start.get((p.file, p.byte_offset))
+                if (r is None or p.nbytes > r.size or r.tensors != [t.name]
+                        or t.fold is not None or not p.contiguous or p.dtype == t.dtype
+                        or not {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}
+                        or not is_local(p.file)):
+                    continue
+                if rows is None:
+                    rows = _row_blocks(t)
+                if rows:
+                    fused[(p.file, p.byte_offset)] = r
+    return fused
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -423,6 +516,8 @@ class _Writer:
         self.read: dict[str, int] = {}
         self.total = plan.total_bytes
         self.count = plan.tensor_count
+        #: records whose CRC-32 the cast computes (:func:`fused_records`), by (file, offset)
+        self.fused: dict[tuple[str, int], object] = {}
 
     def _report(self, piece: Piece | None, nbytes: int, tensor: str = "", ofile: str = ""):
         with self.lock:
@@ -466,7 +561,9 @@ class _Writer:
                 if p.dtype == t.dtype and p.contiguous and self.src.local(p.file):
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
                 elif p.contiguous and {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
-                    _cast_range(p, self.src, dst, pos, t.dtype)  # streamed: bounded memory
+                    # streamed: bounded memory; the record's CRC-32 on the way when fused
+                    _cast_range(p, self.src, dst, pos, t.dtype,
+                                self.fused.get((p.file, p.byte_offset)))
                 elif p.dtype == t.dtype or {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
                     # numpy, not torch: same bits, and no 2 s torch import for a cast or a
                     # strided piece (e.g. q/k rows permuted by core/native_names.py)
@@ -549,8 +646,10 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         from .integrity import CrcChecker, plan_records
 
         crc_records, unchecked = plan_records(plan, w.src.local)
-        if crc_records:  # in its own thread, overlapping the writing
-            checker = CrcChecker(crc_records, cancel, min(4, max(1, opts.workers)))
+        w.fused = fused_records(plan, crc_records, w.src.local)
+        rest = [r for r in crc_records if (r.file, r.start) not in w.fused]
+        if rest:  # in its own thread, overlapping the writing
+            checker = CrcChecker(rest, cancel, min(4, max(1, opts.workers)))
             checker.start()
     try:
         written = []

@@ -59,6 +59,48 @@ def test_merge_refuses_a_flipped_byte_in_a_dcp_chunk(fixtures_root, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_cast_checks_the_crc_of_what_it_reads_and_refuses_a_flipped_byte(
+        fixtures_root, tmp_path, monkeypatch):
+    """A --dtype merge computes the CRC-32 of each record it casts whole inside its own read
+    loop (core/execute.py fused_records): on a real FSDP checkpoint every record is checked
+    that way, the background checker gets none of them, and a byte flipped in a rank file is
+    still refused by the cast itself: one line naming the file, the record's tensor and the
+    CRC-32, nothing left at the output. Without --dtype the checker keeps every record."""
+    from shardscope.core import execute, integrity, run_merge
+    from shardscope.core.errors import BadCheckpointError
+
+    ck = copy_checkpoint(fixtures_root / "w3-llama-f32", tmp_path / "ck")
+    plan = plan_merge(detect(ck), MergeOptions(str(tmp_path / "out"), dtype="bf16"))
+    records, _ = integrity.plan_records(plan)
+    assert records and set(execute.fused_records(plan, records, lambda f: True)) == {
+        (r.file, r.start) for r in records}
+    keep = plan_merge(detect(ck), MergeOptions(str(tmp_path / "keep")))
+    assert execute.fused_records(keep, integrity.plan_records(keep)[0], lambda f: True) == {}
+
+    f = ck / "model_world_size_3_rank_1.pt"
+    start, size = flip_largest_storage(f)
+    names = tensors_in(detect(ck), str(f), start, size)
+    given = []  # records handed to the background checker
+
+    class Checker(integrity.CrcChecker):
+        def __init__(self, records, *a, **k):
+            given.extend(records)
+            super().__init__(records, *a, **k)
+
+    monkeypatch.setattr(integrity, "CrcChecker", Checker)
+    with pytest.raises(BadCheckpointError) as e:
+        run_merge(plan_merge(detect(ck), MergeOptions(str(tmp_path / "out"), dtype="bf16")))
+    assert not given  # so the refusal is the cast's own check
+    msg = str(e.value)
+    assert f.name in msg and "CRC-32" in msg and any(n in msg for n in names), msg
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    r = cli("merge", ck, "-o", tmp_path / "out", "--dtype", "fp16", "-q")
+    line = r.stderr.strip()
+    assert r.returncode == 3 and "\n" not in line and "Traceback" not in line, r.stderr
+    assert f.name in line and "CRC-32" in line and any(n in line for n in names)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
 def test_crc_records_cover_every_piece_of_a_merge(fixtures_root, megatron_root, tmp_path):
     """Every output tensor of a torch.save checkpoint lies in a checked record (FSDP, DCP,
     HSDP, Megatron legacy and torch_dist: vocabulary padding cut, q/k/v split); a safetensors
