@@ -843,18 +843,6 @@ _COMMAND: str | None = None
 def entry() -> None:
     """Console-script entry point (and ``python -m shardscope.tui.cli``)."""
     code = main()
-    if _COMMAND == "merge" and "torch" in sys.modules and "--hf-upload" not in sys.argv[1:]:
-        # a merge that imported torch (a cast, a LoRA fold, a cold architecture check) is
-        # over: its output is renamed into place or removed, every file it wrote closed, its
-        # lines printed. Tearing the interpreter down would now cost 0.6-1.2 CPU s (torch's
-        # modules and C++ static destructors; measured in a process that planned the 4 GB
-        # checkpoint of bench/bench.py, against 0.05 s for os._exit): skip it.
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed pipe: nothing more can be said there
-                pass
-        os._exit(code if isinstance(code, int) else 1)
     if "--distributed" in sys.argv[1:] and "torch.distributed" in sys.modules:
         # a process that was in a gloo process group ends without running C++ static
         # destructors: after a SIGTERM or a lost peer, gloo's threads could otherwise abort
@@ -863,19 +851,29 @@ def entry() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)
-    if code == 130:
+    if code == 130 or (_COMMAND == "merge" and "torch" in sys.modules
+                       and "--hf-upload" not in sys.argv[1:]):
         # interrupted: exit 130 as said. CPython 3.11's `python -m` (Modules/main.c
         # Py_RunMain) kills itself with SIGINT after a clean exit when a KeyboardInterrupt once
         # escaped an exec() of source (Python/pythonrun.c run_eval_code_obj sets the
         # "unhandled Ctrl-C" flag even though it was caught later); dataclasses and
         # namedtuple exec their methods while torch and transformers are imported, so a
-        # Ctrl-C there ended the process with -2, not 130. The atexit functions still run.
+        # Ctrl-C there ended the process with -2, not 130.
+        # A merge that imported torch (a cast, a LoRA fold, a cold architecture check) is
+        # over: its output renamed into place or removed, every file it wrote closed, its
+        # lines printed. Tearing the interpreter down would now cost 0.6-1.2 CPU s (torch's
+        # modules and C++ static destructors; measured in a process that planned the 4 GB
+        # checkpoint of bench/bench.py, against 0.05 s for os._exit): skipped.
+        # In both cases the atexit functions still run.
         import atexit
 
         atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can be said there
+                pass
+        os._exit(code if isinstance(code, int) else 1)
     sys.exit(code)
 
 
