@@ -626,8 +626,11 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     cancel = cancel or threading.Event()
     opts = plan.options
     out = Path(opts.output)
+    from .plan import recover_set_aside
+
+    recovered = recover_set_aside(out, opts.overwrite)  # a plan made before it was left
     check_output(out, opts.overwrite, plan.layout.path)
-    warnings = list(plan.warnings)
+    warnings = list(plan.warnings) + ([recovered] if recovered else [])
     for stale in stale_temp_dirs(out):
         shutil.rmtree(stale, ignore_errors=True)
         warnings.append(f"removed {stale}, left by an interrupted merge")

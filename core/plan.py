@@ -201,6 +201,45 @@ def tie_word_embeddings(config_dir: str | None, trust_remote_code: bool = False)
 MERGED_MARKERS = ("model.safetensors", "model.safetensors.index.json", "config.json")
 
 
+def recover_set_aside(out: Path, overwrite: bool) -> str | None:
+    """An output that an interrupted ``--overwrite`` merge had set aside: renamed to
+    ``.OUT.shardscope-tmp-old-PID`` beside ``out`` by a process that is gone (killed with
+    SIGKILL between its two renames, or after them but before removing it; core/execute.py
+    ``_move_into_place``). With ``out`` missing it is put back at ``out`` (as if that merge had
+    not run); with ``out`` present it was superseded by that merge's own output and is removed.
+    Returns what was done (one line) or None. Raises :class:`OutputExistsError` when the output
+    was put back and ``overwrite`` is off, saying where it came from."""
+    import shutil
+
+    from .execute import TMP_MARK, _alive
+
+    if not out.parent.is_dir():
+        return None
+    prefix = f".{out.name}{TMP_MARK}old-"
+    done = None
+    for p in sorted(out.parent.iterdir()):
+        if not p.name.startswith(prefix):
+            continue
+        try:
+            pid = int(p.name[len(prefix):])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _alive(pid):
+            continue
+        if not out.exists():
+            os.rename(p, out)
+            if not overwrite:
+                raise OutputExistsError(f"exists: put back from {p.name}, where an interrupted "
+                                        "--overwrite merge had set it aside; pass --overwrite "
+                                        "to replace it", str(out))
+            done = (f"put {out} back from {p.name}, where an interrupted --overwrite merge had "
+                    "set it aside (replaced now, as --overwrite asks)")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            done = f"removed {p}, an output replaced by an interrupted --overwrite merge"
+    return done
+
+
 def check_output(out: Path, overwrite: bool, source: str | None = None) -> None:
     """Refuse an output that would lose data. Raises :class:`UsageError` when ``out`` is a
     file, is or contains the ``source`` checkpoint, or lies inside it, or when ``overwrite``
@@ -243,7 +282,9 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     from .phases import phase
 
     phase("planning the output files")
+    recovered = None
     if writing:
+        recovered = recover_set_aside(Path(options.output), options.overwrite)
         check_output(Path(options.output), options.overwrite, layout.path)
     from .native_names import DETAIL as NATIVE
 
@@ -277,7 +318,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     max_shard = parse_size(options.max_shard_size)
     if max_shard <= 0:
         raise UsageError("--max-shard-size must be positive")
-    warnings: list[str] = list(waived)
+    warnings: list[str] = list(waived) + ([recovered] if recovered else [])
     config_dir = layout.config_dir
     copy = list(layout.extra_files)
     if options.hf_config:

@@ -245,3 +245,56 @@ async def test_escape_while_the_app_plans_a_merge_stops_it_there(fixtures_root, 
         assert "cancelled; nothing was written" in str(run.query_one("#status").render())
     assert ran == []
     assert_nothing_left(tmp_path, out)
+
+
+#: a merge over an existing output (--overwrite) whose process dies right after rename
+#: number argv[3] of its publishing (1: the old output set aside, 2: the new one in place),
+#: as SIGKILL would leave it: nothing runs after (os._exit)
+DIES_AFTER_RENAME = r"""
+import os, sys
+from shardscope.core import MergeOptions, detect, execute, plan_merge, run_merge
+plan = plan_merge(detect(sys.argv[1]), MergeOptions(output=sys.argv[2], overwrite=True))
+real, count = execute.os.rename, [0]
+def rename(a, b):
+    real(a, b)
+    count[0] += 1
+    if count[0] == int(sys.argv[3]):
+        os._exit(9)
+execute.os.rename = rename
+run_merge(plan)
+"""
+
+
+@pytest.mark.parametrize("after", [1, 2])
+def test_output_set_aside_by_a_killed_overwrite_merge_is_put_back_or_removed(
+        fixtures_root, tmp_path, after):
+    """A merge with --overwrite killed between its two renames leaves OUT missing and the old
+    output in ``.OUT.shardscope-tmp-old-PID``: the next merge to OUT puts it back (and without
+    --overwrite refuses, saying where it came from). Killed after both, the old output is
+    superseded: the next merge removes it. Either way no hidden folder is left."""
+    from conftest import run_cli
+
+    src = fixtures_root / "w2-qwen2-f32"
+    out = tmp_path / "out"
+    assert run_cli("merge", str(src), "-o", str(out), "-q").returncode == 0
+    (out / "model.safetensors").write_bytes(b"the output before")  # tell old from new
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "shim")}
+    r = subprocess.run([sys.executable, "-c", DIES_AFTER_RENAME, str(src), str(out), str(after)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 9, r.stderr
+    hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    assert any(".shardscope-tmp-old-" in n for n in hidden), hidden
+    if after == 1:
+        assert not out.exists()
+        r = run_cli("merge", str(src), "-o", str(out), "-q")
+        assert r.returncode != 0 and "put back from .out.shardscope-tmp-old-" in r.stderr, \
+            r.stderr
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == old  # as before the kill
+    r = run_cli("merge", str(src), "-o", str(out), "--overwrite")
+    assert r.returncode == 0, r.stderr
+    if after == 2:
+        assert "removed " in r.stdout + r.stderr and "interrupted --overwrite" in \
+            r.stdout + r.stderr, r.stdout + r.stderr
+    assert (out / "model.safetensors").read_bytes() != b"the output before"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
