@@ -178,15 +178,10 @@ def _torch():
     The collector is restored as it was (the objects are collected later as usual)."""
     global _TORCH
     if _TORCH is None:  # else imported and initialised (another thread waits in `import`)
-        import gc
+        from .gcpause import paused_gc
 
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with paused_gc():
             import torch
-        finally:
-            if enabled:
-                gc.enable()
         _TORCH = torch
     return _TORCH
 

@@ -47,6 +47,7 @@ from typing import Any, Mapping
 
 from . import archcache
 from .dtypes import FLOATING
+from .gcpause import paused_gc
 
 #: transformers' auto-class tables tried for a ``model_type``, in order (names in
 #: transformers/models/auto/modeling_auto.py; a table missing from a release is skipped)
@@ -577,8 +578,9 @@ def _facts(key: tuple, ckey: str | None, config_dir, config_fields, trust):
             if hit is not None:
                 return hit
         try:
-            config, classes, named, note = _expected_cached(key, "", lambda: (
-                _candidates_or_skip(config_dir, config_fields, trust)))
+            with paused_gc():  # the imports of torch and transformers
+                config, classes, named, note = _expected_cached(key, "", lambda: (
+                    _candidates_or_skip(config_dir, config_fields, trust)))
             res: Any = ([n for n, _ in classes], named, note,
                         getattr(config, "model_type", None))
         except Skip as e:
@@ -613,9 +615,10 @@ def _expected(key: tuple, ckey: str | None, name: str, config_dir, config_fields
             hit = _decode_expected(archcache.load(dkey))
             if hit is not None:
                 return hit
-        config, classes, _, _ = _expected_cached(key, "", lambda: _candidates_or_skip(
-            config_dir, config_fields, trust))
-        res = _build_or_skip(key, name, dict(classes)[name], config)
+        with paused_gc():  # the imports, the model class's module, the meta-device build
+            config, classes, _, _ = _expected_cached(key, "", lambda: _candidates_or_skip(
+                config_dir, config_fields, trust))
+            res = _build_or_skip(key, name, dict(classes)[name], config)
         if dkey:
             archcache.store(dkey, {"skip": str(res)} if isinstance(res, Skip) else
                             {"architecture": res.architecture,
