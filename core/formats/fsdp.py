@@ -294,8 +294,6 @@ class _Builder:
         self.seen: dict[tuple, Piece] = {}
         #: (tensor, kept piece, identical-place piece of another rank): replica copies
         self.copies: list[tuple[str, Piece, Piece]] = []
-        #: rank -> (template, mesh coordinate) of the rank files read by :meth:`replay`
-        self.replayed: dict[int, tuple] = {}
         #: rank -> the mesh coordinates of its shards (for :func:`_duplicate_ranks`)
         self.coords: dict[int, set] = {}
         self.mesh_cache: dict[int, tuple] = {}
@@ -370,7 +368,6 @@ class _Builder:
         if coord is None:
             coord = tuple(_unravel(rank, tpl.mesh_shape))
         self.keys_by_rank[rank] = tpl.keys
-        self.replayed[rank] = (tpl, coord)
         if tpl.boxes:  # DTensors: all at this coordinate
             self.coords.setdefault(rank, set()).add(coord)
         add, seen, copies = self.add, self.seen, self.copies
@@ -386,46 +383,37 @@ class _Builder:
                 tpl.box_cache[(i, coord)] = got
             per_box.append(got)
         # Pieces made without the frozen dataclass's __init__ (one object.__setattr__ per
-        # field: half of this loop's time at 256 ranks x 1000 tensors); the same objects
+        # field: half of this loop's time at 256 ranks x 1000 tensors); the same objects.
+        # When every placement gives the template's local shape (``checked``), the file holds
+        # exactly the template's plain tensors and non-empty shards: no per-tensor checks.
         new, piece_cls = object.__new__, Piece
-        if all(per_box[box].__class__ is tuple and per_box[box][1] == shape
-               for box, shape in tpl.shapes):  # every local shape as its placement gives it
+        checked = all(per_box[box].__class__ is tuple and per_box[box][1] == shape
+                      for box, shape in tpl.shapes)
+        if checked:
             for t, key, start, shape, stride, dtype, _, _ in tpl.plain:
                 add(t, Piece(path, offsets[key] + start, dtype, shape, stride,
                              (0,) * len(shape), rank))
-            for t, key, start, shape, stride, dtype, box, _ in tpl.shards:
-                goff = per_box[box][0]
-                piece = new(piece_cls)
-                piece.__dict__.update(file=path, byte_offset=offsets[key] + start,
-                                      dtype=dtype, shape=shape, stride=stride,
-                                      global_offsets=goff, rank=rank, coord=coord, archive=None)
-                k = (t.name, goff, shape)
-                first = seen.get(k)
-                if first is None:  # what ``add`` does, inline
-                    seen[k] = piece
-                    t.pieces.append(piece)
-                else:
-                    copies.append((t.name, first, piece))
-            return
-        for t, key, start, shape, stride, dtype, box, empty in tpl.entries:  # with problems
-            if box is None:  # a plain tensor (a buffer saved whole on every rank)
-                add(t, Piece(path, offsets[key] + start, dtype, shape, stride,
-                             (0,) * len(shape), rank))
-                continue
-            got = per_box[box]
-            if got.__class__ is not tuple:
-                self.layout.problems.append(Problem("unsupported-placement",
-                                                    f"{t.name}: {got}", path))
-                continue
-            goff, want = got
-            if want != shape:
-                gshape, mesh_shape, _, _, pstr = tpl.boxes[box]
-                self.layout.problems.append(Problem(
-                    "shape-mismatch", f"{t.name}: local shard is {shape}, its placement "
-                    f"{pstr} on mesh {mesh_shape} at {coord} gives {want}", path))
-                continue
-            if empty:
-                continue  # an empty shard (``add`` skips those too)
+        for t, key, start, shape, stride, dtype, box, empty in (
+                tpl.shards if checked else tpl.entries):
+            if not checked:  # name each problem, in the file's order
+                if box is None:  # a plain tensor (a buffer saved whole on every rank)
+                    add(t, Piece(path, offsets[key] + start, dtype, shape, stride,
+                                 (0,) * len(shape), rank))
+                    continue
+                got = per_box[box]
+                if got.__class__ is not tuple:
+                    self.layout.problems.append(Problem("unsupported-placement",
+                                                        f"{t.name}: {got}", path))
+                    continue
+                if got[1] != shape:
+                    gshape, mesh_shape, _, _, pstr = tpl.boxes[box]
+                    self.layout.problems.append(Problem(
+                        "shape-mismatch", f"{t.name}: local shard is {shape}, its placement "
+                        f"{pstr} on mesh {mesh_shape} at {coord} gives {got[1]}", path))
+                    continue
+                if empty:
+                    continue  # an empty shard (``add`` skips those too)
+            goff = per_box[box][0]
             piece = new(piece_cls)
             piece.__dict__.update(file=path, byte_offset=offsets[key] + start, dtype=dtype,
                                   shape=shape, stride=stride, global_offsets=goff, rank=rank,
@@ -898,7 +886,7 @@ def _same_bytes(handles: dict, a: Piece, c: Piece, nbytes: int, block: int = 1 <
 
 def _duplicate_ranks(layout: CheckpointLayout, files: dict[int, str],
                      copies: list[tuple[str, Piece, Piece]],
-                     coords: dict[int, set] | None = None) -> bool:
+                     coords: dict[int, set]) -> bool:
     """A rank file that holds the same shards at the same device-mesh coordinates as another
     rank's file (a copy of that file under another rank's name: ``cp rank_0 rank_1`` when
     restoring, a wrong file sent by a transfer). Every DTensor records its mesh coordinate, so
@@ -907,7 +895,7 @@ def _duplicate_ranks(layout: CheckpointLayout, files: dict[int, str],
     the coverage gaps it causes, which are then not listed); returns True when any.
 
     ``coords``: rank -> the mesh coordinates of its shards (or more), as the reader saw
-    them go by (None: gathered here). Two ranks can only agree when the sets of
+    them go by. Two ranks can only agree when the sets of
     coordinates of their shards do, so the shards themselves are compared only for ranks
     that share their coordinate set with another rank (none, in a sound checkpoint): the
     256 x 1000 shards of a big run are not walked."""
@@ -918,11 +906,6 @@ def _duplicate_ranks(layout: CheckpointLayout, files: dict[int, str],
         for name, _, pc in copies:  # copies: same place
             yield name, pc
 
-    if coords is None:
-        coords = {}
-        for _, pc in held():
-            if pc.rank is not None and pc.coord is not None:
-                coords.setdefault(pc.rank, set()).add(pc.coord)
     by_coords: dict[frozenset, list[int]] = {}
     for r, cs in coords.items():
         by_coords.setdefault(frozenset(cs), []).append(r)
