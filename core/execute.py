@@ -75,11 +75,18 @@ def temp_dir_for(out: Path) -> Path:
 
 def stale_temp_dirs(out: Path) -> list[Path]:
     """Temporary folders beside ``out`` left by merges whose process is gone (killed)."""
+    return left_by_dead_merges(out, "")
+
+
+def left_by_dead_merges(out: Path, tag: str) -> list[Path]:
+    """The folders ``.OUT<TMP_MARK><tag><PID>`` beside ``out`` whose process ``PID`` is gone
+    (``tag`` "": a merge's temporary folder; "old-": an output an ``--overwrite`` merge set
+    aside, core/plan.py ``recover_set_aside``), in name order."""
     found = []
     if not out.parent.is_dir():
         return found
-    prefix = f".{out.name}{TMP_MARK}"
-    for p in out.parent.iterdir():
+    prefix = f".{out.name}{TMP_MARK}{tag}"
+    for p in sorted(out.parent.iterdir()):
         if p.name.startswith(prefix):
             try:
                 pid = int(p.name[len(prefix):])

@@ -211,21 +211,10 @@ def recover_set_aside(out: Path, overwrite: bool) -> str | None:
     was put back and ``overwrite`` is off, saying where it came from."""
     import shutil
 
-    from .execute import TMP_MARK, _alive
+    from .execute import left_by_dead_merges
 
-    if not out.parent.is_dir():
-        return None
-    prefix = f".{out.name}{TMP_MARK}old-"
     done = None
-    for p in sorted(out.parent.iterdir()):
-        if not p.name.startswith(prefix):
-            continue
-        try:
-            pid = int(p.name[len(prefix):])
-        except ValueError:
-            continue
-        if pid == os.getpid() or _alive(pid):
-            continue
+    for p in left_by_dead_merges(out, "old-"):
         if not out.exists():
             os.rename(p, out)
             if not overwrite:
