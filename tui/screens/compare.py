@@ -193,8 +193,11 @@ def layer_chart(result) -> tuple[Table, str | None]:
         elif not math.isfinite(r):
             table.add_row(Text(name, style=style), "inf", Bar(1, 0, 1, color="red"))
         else:
+            # the share of the peak, rounded: the largest change is a full bar whatever the
+            # last bits of the float division (Rich truncates r/peak*width*8 to eighths)
             table.add_row(Text(name, style=style), f"{r:.3g}",
-                          Bar(peak or 1.0, 0, r, color="red" if mark else "yellow"))
+                          Bar(1.0, 0, round(r / peak, 6) if peak else 0.0,
+                              color="red" if mark else "yellow"))
     return table, (top.layer if top is not None else None)
 
 
