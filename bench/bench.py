@@ -11,9 +11,11 @@ copy floor, peak RSS of the job's process tree, and that peak over the model siz
 ``fake`` backend), against ``torch.load`` of every rank file, and the app's start: to its first
 useful screen (the inspector, maybe still reading rank files) and to the full layout, wall and
 CPU seconds (``--only app``: just those, on the many-rank checkpoints). Merges plan with a warm
-architecture cache (core/archcache.py, filled by this run before timing) except the many-rank
-rows marked cold (``SHARDSCOPE_CACHE=off``). ``--no-peers`` leaves out the DCP, verl and Megatron peers (long). Ratios within one
-run are what to compare: these machines are shared and noisy.
+architecture cache (core/archcache.py, filled by this run before timing) except the rows
+marked cold (``SHARDSCOPE_CACHE=off``: the check made in a thread of the merge) and those
+marked "first of its config" (an empty cache each time: the check made by a second process
+while the merge writes, core/overlap.py). ``--no-peers`` leaves out the DCP, verl and Megatron
+peers (long). Ratios within one run are what to compare: these machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -311,11 +313,20 @@ def main() -> None:
     exe = [sys.executable, "-m", "shardscope.tui.cli"]
     _warm(arch, fsdp)
     out = work / "out"
+    # a merge of a config never checked before: its own empty architecture cache each time,
+    # so the check runs (core/overlap.py: a second process, while the merge writes)
+    fresh = work / "archcache-first"
+
+    def first(cmd: list[str]) -> list[str]:
+        return ["sh", "-c", 'rm -rf "$0" && SHARDSCOPE_CACHE="$0" exec "$@"', str(fresh)] + cmd
+
     jobs: list[tuple[str, list[str], Path | None, int | None]] = [
         ("copy floor (read shards, write same bytes)",
          [sys.executable, "-c", COPY_FLOOR, str(fsdp), str(out)], out, None),
         ("shardscope merge fsdp, keep dtype, 5GB shards",
          exe + ["merge", str(fsdp), "-o", str(out), "-q"], out, 5 * 10**9),
+        ("shardscope merge fsdp, keep dtype, 5GB shards, first of its config",
+         first(exe + ["merge", str(fsdp), "-o", str(out), "-q"]), out, 5 * 10**9),
         ("shardscope merge fsdp, keep dtype, 5GB shards, --no-crc",
          exe + ["merge", str(fsdp), "-o", str(out), "-q", "--no-crc"], out, 5 * 10**9),
         ("shardscope merge fsdp, keep dtype, 1GB shards",
@@ -362,7 +373,9 @@ def main() -> None:
              out, 5 * 10**9),
             (f"shardscope merge, {w} ranks, warm architecture cache",
              ["env", f"SHARDSCOPE_CACHE={arch}"] + exe + ["merge", str(src), "-o", str(out),
-                                                          "-q"], out, 5 * 10**9)]
+                                                          "-q"], out, 5 * 10**9),
+            (f"shardscope merge, {w} ranks, first of its config",
+             first(exe + ["merge", str(src), "-o", str(out), "-q"]), out, 5 * 10**9)]
         _warm(arch, src)
     if args.megatron:  # after the FSDP group: each group's ratios are to its own floor
         mg = _megatron_checkpoint(Path(args.cache))
@@ -425,8 +438,18 @@ def main() -> None:
     for n, r, *_ in rows:
         if "--dtype" in n:
             print(f"\n{n}: {r['wall'] / keep['wall']:.2f} x the keep-dtype merge")
+    get = {n: r for n, r, *_ in rows}
+    pairs = [("fsdp, keep dtype, 5GB shards", "shardscope merge fsdp, keep dtype, 5GB shards")]
+    pairs += [(f"{w} ranks", f"shardscope merge, {w} ranks, warm architecture cache")
+              for w in many]
+    for what, warm in pairs:
+        one = get[warm.replace("warm architecture cache", "first of its config")
+                  if "ranks" in what else warm + ", first of its config"]
+        extra = one["wall"] - get[warm]["wall"]
+        print(f"\nfirst merge of its config ({what}, the check not cached): "
+              f"{one['wall']:.2f} s against {get[warm]['wall']:.2f} s warm: the architecture "
+              f"check adds {extra:.2f} s = {100 * max(extra, 0) / one['wall']:.0f}% of it")
     for w in many:
-        get = {n: r for n, r, *_ in rows}
         ins = get[f"shardscope inspect --json, {w} ranks"]
         load = get[f"peer floor: torch.load of every rank file ({w} ranks)"]
         print(f"\n{w} ranks x {len(detect_names(many[w]))} tensors: inspect --json "

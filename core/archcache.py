@@ -26,12 +26,14 @@ not an error (the answer is simply not kept). No torch or transformers import he
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
 import tempfile
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 #: bump when an entry's content or its derivation changes (old entries then miss)
 SCHEMA = 1
@@ -39,6 +41,34 @@ SCHEMA = 1
 OFF = ("off", "0", "no", "false", "none")
 
 _versions: tuple[str, str] | None = None
+_local = threading.local()
+
+
+class ColdCache(Exception):
+    """Raised inside :func:`cache_only` where an answer is not cached and would need the import
+    of transformers (``what`` says which step). Not a :class:`core.errors.ShardscopeError`:
+    it never reaches a user (core/overlap.py catches it and plans by another way)."""
+
+
+@contextlib.contextmanager
+def cache_only() -> Iterator[None]:
+    """Inside the block, on this thread, :func:`require_warm` raises :class:`ColdCache`:
+    planning with what is already known (the on-disk cache and this process's own) or not at
+    all. Used to learn in milliseconds whether a merge can plan without importing
+    transformers."""
+    old = getattr(_local, "only", False)
+    _local.only = True
+    try:
+        yield
+    finally:
+        _local.only = old
+
+
+def require_warm(what: str) -> None:
+    """Called before each step that imports torch or transformers: raises
+    :class:`ColdCache` inside :func:`cache_only`, else does nothing."""
+    if getattr(_local, "only", False):
+        raise ColdCache(what)
 
 
 def cache_dir() -> str | None:

@@ -612,7 +612,7 @@ class _Writer:
 def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | None = None,
               cancel: threading.Event | None = None,
               log: Callable[[str], None] | None = None,
-              sources: _Sources | None = None) -> MergeResult:
+              sources: _Sources | None = None, pending=None) -> MergeResult:
     """Write the planned Hugging Face folder.
 
     ``on_progress`` is called from worker threads (make it thread-safe); ``cancel`` is checked
@@ -624,8 +624,17 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     output is then back as it was). An interrupt after the commit does not undo the merge:
     ``cancel`` is then set on return. ``sources``: where source bytes are read (default:
     local files; core/distributed.py passes one that fetches the pieces other nodes hold).
+    ``pending``: ``plan`` is speculative (core/overlap.py): once its tensor files are written
+    the real plan is taken from ``pending`` (``PlanChanged`` when it writes other tensor
+    files) and writes the rest; the writing stops early when the real plan is known to
+    differ.
     """
     cancel = cancel or threading.Event()
+    user_cancel = cancel
+    if pending is not None:
+        from .overlap import StopWhenStale
+
+        cancel = StopWhenStale(user_cancel, pending)
     opts = plan.options
     out = Path(opts.output)
     from .plan import recover_set_aside
@@ -637,26 +646,27 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         shutil.rmtree(stale, ignore_errors=True)
         warnings.append(f"removed {stale}, left by an interrupted merge")
     tmp = temp_dir_for(out)
+    t0 = time.perf_counter()
+    w = _Writer(plan, on_progress, cancel, log, sources)
+    checker, crc_records, unchecked = None, [], []
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
     except OSError as e:
+        w.src.close()
         raise UsageError(f"cannot write beside the output: {e.strerror}", str(out)) from None
-    t0 = time.perf_counter()
-    w = _Writer(plan, on_progress, cancel, log, sources)
-    checker, crc_records, unchecked = None, [], []
-    if getattr(opts, "crc", True):
-        from .integrity import CrcChecker, plan_records
+    try:  # from here on an interrupt removes ``tmp`` too (the CRC listing takes a while)
+        if getattr(opts, "crc", True):
+            from .integrity import CrcChecker, plan_records
 
-        crc_records, unchecked = plan_records(plan, w.src.local)
-        w.fused = fused_records(plan, crc_records, w.src.local)
-        rest = [r for r in crc_records if (r.file, r.start) not in w.fused]
-        if rest:  # in its own thread, overlapping the writing
-            checker = CrcChecker(rest, cancel, min(4, max(1, opts.workers)))
-            checker.start()
-    try:
+            crc_records, unchecked = plan_records(plan, w.src.local)
+            w.fused = fused_records(plan, crc_records, w.src.local)
+            rest = [r for r in crc_records if (r.file, r.start) not in w.fused]
+            if rest:  # in its own thread, overlapping the writing
+                checker = CrcChecker(rest, cancel, min(4, max(1, opts.workers)))
+                checker.start()
         written = []
         with ThreadPoolExecutor(max(1, opts.workers), thread_name_prefix="shardscope") as pool:
             for of in plan.files:
@@ -682,6 +692,9 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
                 written.append((of.name, len(header) + of.nbytes))
                 if log:
                     log(f"closed {of.name} ({len(header) + of.nbytes} bytes)")
+        if pending is not None:  # the rest as the real plan says, when it writes the same
+            spec, plan = plan, pending.confirm(plan, user_cancel)
+            warnings = list(plan.warnings) + warnings[len(spec.warnings):]
         if plan.index is not None:
             with _writing(out, "model.safetensors.index.json"):
                 (tmp / "model.safetensors.index.json").write_text(
@@ -726,7 +739,7 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     try:
         _tidy(w.src, trash)
     except KeyboardInterrupt:
-        cancel.set()
+        user_cancel.set()
         _tidy(w.src, trash)
     return MergeResult(str(out), written, plan.total_bytes, time.perf_counter() - t0,
                        plan.tensor_count, warnings, len(crc_records), unchecked)

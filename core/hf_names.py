@@ -402,30 +402,45 @@ def saved_mapping(layout, mapping: dict[str, str], config_dir: str | None,
     """
     if config_dir is None or not mapping:
         return mapping, {}
+    form, memory = cached_form(layout, mapping, config_dir, trust_remote_code)
+    if form is None:
+        return mapping, {}
+    return _wrapped(layout, mapping, form, memory)
+
+
+def form_signature(layout, mapping: dict) -> list:
+    """What :func:`saved_mapping`'s answer depends on besides the config: ``[name, shape,
+    dtype]`` of every in-memory name of ``mapping`` (``[name, None]`` for one ``layout`` does
+    not hold), sorted by name. JSON-able: core/archworker.py gets it from another process."""
+    sig = []
+    for n in sorted(mapping):
+        t = layout.tensors.get(mapping[n]) if isinstance(mapping[n], str) else None
+        sig.append([n, None] if t is None else [n, list(t.shape), t.dtype])
+    return sig
+
+
+def cached_form(layout, mapping: dict, config_dir: str, trust_remote_code: bool = False):
+    """(SaveForm or None, in-memory tensors) for ``mapping``'s names: from the persistent cache
+    (:mod:`core.archcache`, keyed by the config and :func:`form_signature`) when it has them,
+    else traced on the judge's meta model (then stored). ``layout`` needs only ``tensors``
+    (name -> an object with ``shape`` and ``dtype``) and ``path``."""
     from . import archcache
 
     ckey = archcache.config_key(config_dir, None, trust_remote_code)
     dkey = None
     if ckey:  # what the model says about these names, shapes and dtypes, when already known
-        sig = []
-        for n in sorted(mapping):
-            t = layout.tensors.get(mapping[n]) if isinstance(mapping[n], str) else None
-            sig.append([n, None] if t is None else [n, list(t.shape), t.dtype])
-        dkey = archcache.digest(ckey, "save_form", sig)
+        dkey = archcache.digest(ckey, "save_form", form_signature(layout, mapping))
         hit = _decode(archcache.load(dkey))
         if hit is not None and all(n in mapping for n in hit[0]):
             own, form = hit
             if form is None:
-                return mapping, {}
-            memory = {n: (layout.tensors[mapping[n]].shape, layout.tensors[mapping[n]].dtype)
-                      for n in own}
-            return _wrapped(layout, mapping, form, memory)
+                return None, None
+            return form, {n: (layout.tensors[mapping[n]].shape,
+                              layout.tensors[mapping[n]].dtype) for n in own}
     form, memory = _form(layout, mapping, config_dir, trust_remote_code)
     if dkey:
         archcache.store(dkey, _encode(form, memory))
-    if form is None:
-        return mapping, {}
-    return _wrapped(layout, mapping, form, memory)
+    return form, memory
 
 
 def _form(layout, mapping, config_dir, trust_remote_code):

@@ -296,6 +296,7 @@ def build_model(cls, config):
     """A ``cls`` model built from ``config`` on the meta device (no memory for weights, no
     download), transformers' warnings silenced. Raises Skip when transformers cannot build it.
     """
+    archcache.require_warm(f"building {getattr(cls, '__name__', cls)}")
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -394,6 +395,7 @@ def candidates(config_dir: str | None = None, config_fields: dict | None = None,
     the other heads of its ``model_type``. Raises Skip."""
     from .phases import phase
 
+    archcache.require_warm("the model classes of the config")
     phase("importing torch and transformers for the architecture check")
     import transformers
 
@@ -675,3 +677,80 @@ def tied_aliases(config_dir: str | None, trust_remote_code: bool = False) -> dic
                               trust_remote_code).aliases)
     except (Skip, OSError):
         return {}
+
+
+def default_tie_word_embeddings(config_dir: str, trust_remote_code: bool = False) -> bool | None:
+    """``tie_word_embeddings`` of the config class transformers resolves for ``config_dir``
+    (``AutoConfig.from_pretrained``: the class's default when config.json does not set it), or
+    None when transformers cannot read the config. Kept in the persistent cache
+    (:mod:`core.archcache`) like the other answers. ``trust_remote_code`` is passed as a bool,
+    never None: None makes transformers ask "run the custom code? [y/N]" on the terminal
+    (transformers/dynamic_module_utils.py ``resolve_trust_remote_code``), which hangs CI."""
+    ckey = archcache.config_key(config_dir, None, trust_remote_code)
+    dkey = archcache.digest(ckey, "tie_word_embeddings") if ckey else None
+    hit = archcache.load(dkey) if dkey else None
+    if isinstance(hit, dict) and hit.get("tie") in (True, False, None):
+        return hit["tie"]
+    archcache.require_warm("the config class's tie_word_embeddings")
+    try:
+        from transformers import AutoConfig
+
+        with paused_gc():
+            tie = bool(AutoConfig.from_pretrained(
+                config_dir, trust_remote_code=bool(trust_remote_code)).tie_word_embeddings)
+    except Exception:  # noqa: BLE001 - unknown model type: fall back to the key's absence
+        tie = None
+    if dkey:
+        archcache.store(dkey, {"tie": tie})
+    return tie
+
+
+def config_json_for_fields(fields: dict) -> bytes:
+    """``config.json`` bytes for config fields derived from a checkpoint (``model_type`` plus
+    the family's field names), written by transformers' config class of that family
+    (``AutoConfig.for_model``) so the file has every default ``from_pretrained`` expects. Kept
+    in the persistent cache (:mod:`core.archcache`). Raises what transformers raises."""
+    ckey = archcache.config_key(None, fields, False)
+    dkey = archcache.digest(ckey, "config_json") if ckey else None
+    hit = archcache.load(dkey) if dkey else None
+    if isinstance(hit, dict) and isinstance(hit.get("json"), str):
+        return hit["json"].encode()
+    archcache.require_warm("config.json from the checkpoint's fields")
+    from transformers import AutoConfig
+
+    kw = dict(fields)
+    with paused_gc():
+        text = AutoConfig.for_model(kw.pop("model_type"), **kw).to_json_string(use_diff=False)
+    if dkey:
+        archcache.store(dkey, {"json": text})
+    return text.encode()
+
+
+def warm(config_dir: str | None, config_fields: dict | None,
+         trust_remote_code: bool = False) -> None:
+    """Compute (and keep in the persistent cache) what a merge's plan asks of the config's
+    model without the tensors: the classes tried and the first class's expected tensors
+    (:func:`tied_aliases`, and :func:`check` when the weights fit that class), the config
+    class's ``tie_word_embeddings`` and, for derived fields, their config.json. Never raises
+    for a config it cannot use (the plan then says why). core/archworker.py runs it."""
+    try:
+        key = _config_key(config_dir, config_fields, trust_remote_code)
+        ckey = archcache.config_key(config_dir, config_fields, trust_remote_code)
+        classes = _facts(key, ckey, config_dir, config_fields, trust_remote_code)[0]
+        _expected(key, ckey, classes[0], config_dir, config_fields, trust_remote_code)
+    except (Skip, OSError):
+        pass
+    if config_dir is not None:
+        default_tie_word_embeddings(config_dir, trust_remote_code)
+    elif config_fields:
+        try:
+            config_json_for_fields(config_fields)
+        except Exception:  # noqa: BLE001 - the plan raises it again, with its own message
+            pass
+
+
+def facts_missing(config_dir: str, trust_remote_code: bool = False) -> bool:
+    """True when the config in ``config_dir`` can be cached but the persistent cache does not
+    hold its classes yet (what a merge asks first); nothing imported."""
+    ckey = archcache.config_key(config_dir, None, trust_remote_code)
+    return ckey is not None and archcache.load(archcache.digest(ckey, "candidates")) is None

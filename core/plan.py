@@ -141,6 +141,8 @@ class MergePlan:
     generated: dict[str, bytes] = field(default_factory=dict)
     #: the judge's :class:`core.judge.Verdict` on the output tensors (None: not run)
     check: object = None
+    #: a speculative plan's question for the architecture check (:func:`_guessed`), else None
+    question: dict | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -188,13 +190,9 @@ def tie_word_embeddings(config_dir: str | None, trust_remote_code: bool = False)
     for c in (cfg, cfg.get("text_config") or {}):
         if "tie_word_embeddings" in c:
             return bool(c["tie_word_embeddings"])
-    try:
-        from transformers import AutoConfig
+    from .judge import default_tie_word_embeddings
 
-        return bool(AutoConfig.from_pretrained(
-            config_dir, trust_remote_code=bool(trust_remote_code)).tie_word_embeddings)
-    except Exception:  # noqa: BLE001 - unknown model type: fall back to the key's absence
-        return None
+    return default_tie_word_embeddings(config_dir, trust_remote_code)
 
 
 #: files a folder made by a merge holds; --overwrite replaces only folders holding nothing else
@@ -258,11 +256,17 @@ def check_output(out: Path, overwrite: bool, source: str | None = None) -> None:
 
 
 def plan_merge(layout: CheckpointLayout, options: MergeOptions,
-               writing: bool = True) -> MergePlan:
+               writing: bool = True, speculative: bool = False) -> MergePlan:
     """Plan the merge of ``layout`` into a Hugging Face folder.
 
     With ``writing`` off (``shardscope diff``: the tensors a merge would write, read in place)
     the output folder is neither checked nor given a model card.
+
+    ``speculative``: a guess made without the model (nothing imported): the checkpoint's own
+    names, transformers' usual tied pair dropped when config.json says it is tied, no
+    architecture check; its ``question`` says what the check needs to know
+    (core/archworker.py). Only core/overlap.py uses it, to write ahead while the check runs,
+    and commits what it wrote only when the real plan writes the same tensor files.
 
     Raises :class:`BadCheckpointError` (listing the problems) when the layout has errors or a
     piece cannot be located; :class:`OutputExistsError` when the output exists and overwrite is
@@ -356,19 +360,26 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
         if out_name is not None:
             mapping[out_name] = name
     resolver = (layout if base_layout is None else base_layout).resolve_piece
-    if config_dir is not None:  # tied copies save_pretrained drops must be copies indeed
+    question = None
+    if speculative:
+        mapping, memory_names, verdict, question = _guessed(
+            layout if base_layout is None else base_layout, mapping, config_dir, options)
+    elif config_dir is not None:  # tied copies save_pretrained drops must be copies indeed
         from .judge import tied_aliases
 
         for alias, kept in tied_aliases(config_dir, options.trust_remote_code).items():
             if alias in mapping and kept in mapping:
                 _check_tied(_source(mapping[alias], sources), _source(mapping[kept], sources),
                             alias, kept, resolver, layout.path)
-    # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
-    mapping, memory_names = hf_names.saved_mapping(
-        layout if base_layout is None else base_layout, mapping, config_dir,
-        options.trust_remote_code)
-    verdict = _judge(layout, sources, mapping, config_dir, options)
-    if verdict.skipped is None:
+    if not speculative:
+        # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
+        mapping, memory_names = hf_names.saved_mapping(
+            layout if base_layout is None else base_layout, mapping, config_dir,
+            options.trust_remote_code)
+        verdict = _judge(layout, sources, mapping, config_dir, options)
+    if speculative:
+        pass  # _guessed dropped the usual tied copy; the real plan checks it
+    elif verdict.skipped is None:
         for alias, kept in verdict.aliases.items():
             if kept in mapping:
                 _check_tied(_source(mapping[alias], sources), _source(mapping[kept], sources),
@@ -473,12 +484,39 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
         warnings.append(f"config.json written with architectures [{verdict.architecture}] "
                         f"(the checkpoint's says {verdict.named})")
     plan = MergePlan(layout, options, files, index, copy, source_bytes, warnings, config_dtype,
-                     generated, verdict)
+                     generated, verdict, question)
     if writing and options.model_card and not any(rel == "README.md" for _, rel in copy):
         from .publish import model_card
 
         plan.generated["README.md"] = model_card(plan, _version()).encode()
     return plan
+
+
+def _guessed(layout: CheckpointLayout, mapping: dict, config_dir: str | None,
+             options: MergeOptions):
+    """(mapping, memory names, verdict, question) of a speculative plan (:func:`plan_merge`):
+    the in-memory names kept, ``lm_head.weight`` dropped when config.json itself says the
+    embeddings are tied (nothing imported to learn a class default), a skipped verdict, and
+    the question for core/archworker.py: the config and :func:`core.hf_names.form_signature`
+    of the names."""
+    from .judge import Verdict
+
+    cfg = read_config(config_dir) if config_dir else layout.derived_config
+    tied = None
+    for c in (cfg or {}, (cfg or {}).get("text_config") or {}):
+        if isinstance(c, dict) and "tie_word_embeddings" in c:
+            tied = bool(c["tie_word_embeddings"])
+            break
+    question = {"config_dir": config_dir,
+                "config_fields": None if config_dir else layout.derived_config,
+                "trust_remote_code": bool(options.trust_remote_code),
+                # what hf_names.saved_mapping is asked: the names before any tied copy goes
+                "form": hf_names.form_signature(layout, mapping) if config_dir else None}
+    mapping = dict(mapping)
+    for out_name, emb in TIED_PAIRS:
+        if tied and out_name in mapping and emb in mapping:
+            del mapping[out_name]
+    return mapping, {}, Verdict(skipped="speculative plan: the model was not asked"), question
 
 
 def _check_tied(alias: TensorInfo, kept: TensorInfo, alias_name: str, kept_name: str,
@@ -573,13 +611,10 @@ def _config_naming(config_dir: str, architecture: str, dtype: str | None) -> byt
 
 def derived_config_json(fields: dict) -> bytes:
     """``config.json`` bytes for config fields derived from a checkpoint (``model_type`` plus
-    the family's field names), written by transformers' config class of that family so the
-    file has every default ``from_pretrained`` expects."""
-    from transformers import AutoConfig
+    the family's field names): :func:`core.judge.config_json_for_fields`."""
+    from .judge import config_json_for_fields
 
-    kw = dict(fields)
-    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    return cfg.to_json_string(use_diff=False).encode()
+    return config_json_for_fields(fields)
 
 
 def _version() -> str:

@@ -60,6 +60,7 @@ async def refused(pilot, form, field: str, value: str, message: str) -> None:
 
 async def run_to_end(pilot, app, tries=400) -> MergeRunScreen:
     """Submit the form and wait for the merge run to finish."""
+    await pilot.pause(0.1)  # the form laid out after its last change (#ok may have moved)
     await pilot.click("#ok")
     await wait_for(pilot, lambda: isinstance(app.screen, MergeRunScreen))
     run = app.screen

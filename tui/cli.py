@@ -459,7 +459,7 @@ def _deep(layout, show: bool):
 def cmd_merge(args) -> int:
     from rich.console import Console
 
-    from shardscope.core import MergeOptions, UsageError, detect, plan_merge
+    from shardscope.core import MergeOptions, UsageError
 
     repo_id = args.hf_upload or args.hf_upload_path
     path = args.path or args.local_dir
@@ -476,9 +476,84 @@ def cmd_merge(args) -> int:
         log(f"reading the layout of {path}")
     started = time.perf_counter()
     phases = _Phases(err, show=not args.quiet and err.is_terminal, log=log, cancel=cancel)
+    from shardscope.core.overlap import finish, likely_cold, plan_first, start_worker
+
+    # a config not checked before: its architecture check imports while the layout is read
+    hf_config = args.hf_config or args.hf_model_path
+    worker = (start_worker(preload=True)
+              if likely_cold(path, hf_config, args.trust_remote_code) else None)
+    try:
+        layout = _merge_layout(args, path, hf_config, phases, cancel, err)
+        opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                            overwrite=args.overwrite, hf_config=hf_config,
+                            workers=args.workers, lora=args.lora,
+                            lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
+                            lora_config=args.lora_config, base_model=args.base_model,
+                            model_card=not args.no_card, hf_upload=repo_id,
+                            private=args.private, strict=args.strict,
+                            trust_remote_code=args.trust_remote_code, crc=args.crc)
+        with phases:  # a config not checked before: planned on a guess, checked while writing
+            plan, pending = plan_first(layout, opts, worker, on_phase=log)
+    except BaseException:
+        if worker is not None:
+            worker.kill()
+        raise
+    try:
+        _stop_if_interrupted(cancel)
+        if pending is None:
+            _warn(err, plan.warnings, args.quiet)
+        elif log:
+            log("writing while the architecture check runs (its answers are not cached yet)")
+        if log:
+            log(f"{layout.format}: {len(layout.tensors)} tensors, {layout.world_size} ranks "
+                f"-> {len(plan.files)} output files, {plan.total_bytes} bytes")
+        show = not args.quiet and err.is_terminal
+
+        runs = []
+
+        def run(p, pend):
+            runs.append(pend)
+            if len(runs) > 1 and log:
+                log("the architecture check changed the plan: writing it again")
+            if show:
+                from shardscope.tui.progress import MergeProgressView
+
+                with MergeProgressView(p, err) as view:
+                    return _run_cancellable(p, view.update, cancel, log, pend)
+            return _run_cancellable(p, None, cancel, log, pend)
+
+        real, result = finish(plan, pending, run, cancel)
+    finally:
+        if pending is not None:
+            pending.close()
+    if pending is not None:  # the real plan's warnings, known only now
+        _warn(err, real.warnings, args.quiet)
+    plan = real
+    # the merge is at OUT (run_merge's commit): an interrupt from here on must not say
+    # "nothing was written"
+    try:
+        _stop_if_interrupted(cancel)
+        if not args.quiet:
+            _merge_summary(result, plan, started, err,
+                           pending.waited if runs[-1] is not None else None)
+        if repo_id:
+            return _verified_upload(result.output, repo_id, args.private, args.revision,
+                                    args.commit_message, quiet=args.quiet)
+    except KeyboardInterrupt:
+        print(f"shardscope: interrupted after the merge was written to {result.output}"
+              + ("; nothing was uploaded" if repo_id else ""), file=sys.stderr)
+        return 130
+    return 0
+
+
+def _merge_layout(args, path: str, hf_config, phases, cancel, err):
+    """The layout ``merge`` reads (its --deep problems added), or the usage error of a LoRA
+    option given for a checkpoint without an adapter."""
+    from shardscope.core import UsageError, detect
+
     with phases:
         layout = detect(_with_tag(path, args.tag), deepspeed_weights=args.weights,
-                        hf_config=args.hf_config or args.hf_model_path)
+                        hf_config=hf_config)
     _stop_if_interrupted(cancel)
     if (layout.notes and layout.notes[0].startswith("reading the whole checkpoint folder")
             and not args.quiet):
@@ -494,59 +569,27 @@ def cmd_merge(args) -> int:
     if args.deep and not layout.errors:
         layout.problems.extend(_deep(layout, show=not args.quiet))
         _stop_if_interrupted(cancel)
-    opts = MergeOptions(output=output, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                        overwrite=args.overwrite, hf_config=args.hf_config or args.hf_model_path,
-                        workers=args.workers, lora=args.lora,
-                        lora_adapter=args.lora_adapter, lora_alpha=args.lora_alpha,
-                        lora_config=args.lora_config, base_model=args.base_model,
-                        model_card=not args.no_card, hf_upload=repo_id, private=args.private,
-                        strict=args.strict, trust_remote_code=args.trust_remote_code,
-                        crc=args.crc)
-    with phases:
-        plan = plan_merge(layout, opts)
-    _stop_if_interrupted(cancel)
-    for w in plan.warnings if not args.quiet else ():  # -q: errors only, and the exit code
-        err.print(f"[yellow]warning:[/] {w}", highlight=False)
-    if log:
-        log(f"{layout.format}: {len(layout.tensors)} tensors, {layout.world_size} ranks -> "
-            f"{len(plan.files)} output files, {plan.total_bytes} bytes")
-    show = not args.quiet and err.is_terminal
-    if show:
-        from shardscope.tui.progress import MergeProgressView
-
-        with MergeProgressView(plan, err) as view:
-            result = _run_cancellable(plan, view.update, cancel, log)
-    else:
-        result = _run_cancellable(plan, None, cancel, log)
-    # the merge is at OUT (run_merge's commit): an interrupt from here on must not say
-    # "nothing was written"
-    try:
-        _stop_if_interrupted(cancel)
-        if not args.quiet:
-            _merge_summary(result, plan, started, err)
-        if repo_id:
-            return _verified_upload(result.output, repo_id, args.private, args.revision,
-                                    args.commit_message, quiet=args.quiet)
-    except KeyboardInterrupt:
-        print(f"shardscope: interrupted after the merge was written to {result.output}"
-              + ("; nothing was uploaded" if repo_id else ""), file=sys.stderr)
-        return 130
-    return 0
+    return layout
 
 
-def _merge_summary(result, plan, started, err) -> None:
+def _merge_summary(result, plan, started, err, waited: float | None = None) -> None:
     """The warnings the run added and the one-line summary of a finished merge (not with -q).
+    ``waited``: the merge was written while the architecture check ran (core/overlap.py),
+    then waited this many seconds for it; None: it was written after the check.
     """
     for w in result.warnings[len(plan.warnings):]:
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
     from shardscope.tui.format import human_bytes
 
-    rate = result.tensor_bytes / result.seconds if result.seconds else 0
+    writing = result.seconds - (waited or 0.0)
+    rate = result.tensor_bytes / writing if writing > 0 else 0
     total = time.perf_counter() - started
+    check = "" if waited is None else (f" while the architecture check ran, then "
+                                       f"{waited:.2f} s waiting for it")
     print(f"wrote {result.output}: {len(result.files)} safetensors file(s), "
           f"{result.tensors} tensors, {human_bytes(result.tensor_bytes)} in {total:.2f} s "
           f"(reading the layout and planning {total - result.seconds:.2f} s, writing "
-          f"{result.seconds:.2f} s at {human_bytes(rate)}/s)")
+          f"{writing:.2f} s at {human_bytes(rate)}/s{check})")
 
 
 class _Phases:
@@ -671,17 +714,24 @@ def cmd_upload(args) -> int:
                             args.commit_message)
 
 
-def _run_cancellable(plan, on_progress, cancel, log):
+def _run_cancellable(plan, on_progress, cancel, log, pending=None):
     """Run the merge; Ctrl-C, SIGTERM and SIGHUP (_signals_interrupt) set the cancel event and
     unwind, so the core removes its temporary folder (kill -9 cannot be caught: the next merge
-    cleans up)."""
+    cleans up). ``pending``: the plan is speculative (core/overlap.py)."""
     from shardscope.core import run_merge
 
     try:
-        return run_merge(plan, on_progress=on_progress, cancel=cancel, log=log)
+        return run_merge(plan, on_progress=on_progress, cancel=cancel, log=log,
+                         pending=pending)
     except KeyboardInterrupt:
         cancel.set()
         raise
+
+
+def _warn(err, warnings, quiet: bool) -> None:
+    """A plan's warnings, one line each (none with -q: errors only, and the exit code)."""
+    for w in warnings if not quiet else ():
+        err.print(f"[yellow]warning:[/] {w}", highlight=False)
 
 
 def cmd_verify(args) -> int:
