@@ -164,7 +164,10 @@ class PendingPlan:
 
         try:
             if self.proc is not None:
-                self.proc.wait()
+                code = self.proc.wait()
+                if code and not self._closed.is_set() and self.on_phase is not None:
+                    self.on_phase(f"the architecture check's worker process failed (exit "
+                                  f"{code}): checking in this process")
             stop_if_closed("")
             with reporting(stop_if_closed):
                 try:

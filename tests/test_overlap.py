@@ -183,3 +183,20 @@ def _read(pid: str, what: str) -> bytes:
             return f.read().replace(b"\0", b" ") if what == "cmdline" else f.read()
     except OSError:
         return b""
+
+
+def test_a_failed_worker_leaves_the_check_to_the_merge(fixtures_root, tmp_path, fresh_cache,
+                                                       monkeypatch):
+    """The worker's answers only save time: a worker that dies makes the merge check in its
+    own process (and say so with -v), the output as exact."""
+    def broken(preload=False):
+        return subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+
+    monkeypatch.setattr(overlap, "start_worker", broken)
+    out = tmp_path / "out"
+    r = run_cli("merge", fixtures_root / "w2-qwen2-f32", "-o", out, "-v")
+    assert r.returncode == 0, r.stderr
+    assert WROTE_AHEAD in r.stderr and "worker process failed (exit 7)" in r.stderr
+    assert "importing torch and transformers for the architecture check" in r.stderr
+    assert_bit_equal(load(out), load(fixtures_root / "w2-qwen2-f32.reference"))
