@@ -265,6 +265,8 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true",
                     help="leave out the DCP, verl and peer jobs (the cast and many-rank rows "
                          "stay)")
+    ap.add_argument("--no-load-peer", action="store_true",
+                    help="leave out torch.load of every many-rank file (minutes at 1024 ranks)")
     ap.add_argument("--only", choices=["app"], default=None,
                     help="app: only the app's start (first screen, fully loaded) on the "
                          "80-layer checkpoints of --many ranks (written if missing)")
@@ -358,8 +360,11 @@ def main() -> None:
         jobs += [
             (f"copy floor, {w} rank files (80 layers)",
              [sys.executable, "-c", COPY_FLOOR, str(src), str(out)], out, None),
-            (f"peer floor: torch.load of every rank file ({w} ranks)",
-             [sys.executable, "-c", FSDP_LOAD_PEER, str(src)], None, None),
+        ]
+        if not args.no_load_peer:
+            jobs.append((f"peer floor: torch.load of every rank file ({w} ranks)",
+                         [sys.executable, "-c", FSDP_LOAD_PEER, str(src)], None, None))
+        jobs += [
             (f"shardscope inspect --json, {w} ranks", exe + ["inspect", str(src), "--json"],
              None, None),
             (f"shardscope read layout + plan only, {w} ranks, cold (no architecture cache)",
@@ -451,10 +456,10 @@ def main() -> None:
               f"check adds {extra:.2f} s = {100 * max(extra, 0) / one['wall']:.0f}% of it")
     for w in many:
         ins = get[f"shardscope inspect --json, {w} ranks"]
-        load = get[f"peer floor: torch.load of every rank file ({w} ranks)"]
+        load = get.get(f"peer floor: torch.load of every rank file ({w} ranks)")
         print(f"\n{w} ranks x {len(detect_names(many[w]))} tensors: inspect --json "
-              f"{ins['wall']:.2f} s = {ins['wall'] / load['wall']:.2f} x torch.load of every "
-              "file")
+              f"{ins['wall']:.2f} s" + (f" = {ins['wall'] / load['wall']:.2f} x torch.load of "
+                                        "every file" if load else ""))
         for k in ("cold", "warm"):
             sfx = ("cold (no architecture cache)" if k == "cold" else "warm architecture cache")
             plan = get[f"shardscope read layout + plan only, {w} ranks, {sfx}"]
