@@ -12,6 +12,7 @@ our command line; ``HF_ENDPOINT`` selects a private hub. Nothing here prints the
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Callable
 
@@ -224,8 +225,24 @@ def upload(folder: str, repo_id: str, private: bool = False, revision: str | Non
         return str(getattr(info, "commit_url", info))
     except Exception as e:  # noqa: BLE001 - network, auth, server: all end the same way
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        retry = retry_command(folder, repo_id, private, revision, commit_message)
         raise UploadError(f"upload to {repo_id} failed ({text}); the merged folder is intact: "
-                          f"retry with `shardscope upload {folder} {repo_id}`", folder) from None
+                          f"retry with `{retry}`", folder) from None
+
+
+def retry_command(folder: str, repo_id: str, private: bool = False, revision: str | None = None,
+                  commit_message: str | None = None) -> str:
+    """The ``shardscope upload`` command line that repeats an upload with every option that
+    decides where and how it lands (``--private``: a retry must not create the repository
+    public; ``--revision``; ``--commit-message``), each path and value shell-quoted."""
+    argv = ["shardscope", "upload", folder, repo_id]
+    if private:
+        argv.append("--private")
+    if revision:
+        argv += ["--revision", revision]
+    if commit_message:
+        argv += ["--commit-message", commit_message]
+    return shlex.join(argv)
 
 
 def _upload_counted(api, folder, repo_id, revision, message, progress) -> str:
