@@ -319,6 +319,10 @@ def _check_args(args) -> None:
                 raise UsageError("no such file or folder", path)
     if args.command == "verify" and args.reference and not os.path.exists(args.reference):
         raise UsageError("no such file or folder", args.reference)
+    if (args.command == "inspect" and args.hf_config
+            and not os.path.isfile(os.path.join(args.hf_config, "config.json"))):
+        # as merge refuses it (core/plan.py): a folder ignored in silence read as "checked"
+        raise UsageError("has no config.json", args.hf_config)
     if args.command == "merge" and args.workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {args.workers})")
     if args.command == "sample" and args.world_size < 1:
