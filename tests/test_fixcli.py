@@ -31,3 +31,48 @@ def test_inspect_hf_config_without_config_json_is_a_usage_error(fixtures_root, t
         assert r.stderr == f"shardscope: {cfg}: has no config.json\n"
     merge = run_cli("merge", fixtures_root / "w2-dcp", "-o", tmp_path / "out", "--hf-config", cfg)
     assert merge.returncode == 2 and merge.stderr == f"shardscope: {cfg}: has no config.json\n"
+
+
+TOLERANCES = [("--atol", "-1"), ("--rtol", "-1"), ("--atol", "nan"), ("--rtol", "nan"),
+              ("--atol", "inf"), ("--rtol", "-inf")]
+
+
+@pytest.mark.parametrize("flag,value", TOLERANCES)
+@pytest.mark.parametrize("command", ["verify-reference", "verify", "diff"])
+def test_bad_tolerance_is_a_usage_error(fixtures_root, flag, value, command):
+    """Negative, NaN or infinite --atol/--rtol: one line, exit 2 (not torch's "unexpected
+    error" with exit 1, verify's "differs"; not accepted in silence by verify alone)."""
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    args = {"verify-reference": ("verify", ref, "--reference", ref),
+            "verify": ("verify", ref),
+            "diff": ("diff", ref, fixtures_root / "w2-qwen2-f32")}[command]
+    r = run_cli(*args, f"{flag}={value}")
+    assert (r.returncode, r.stdout, r.stderr) == (
+        2, "", f"shardscope: {flag} must be a non-negative number\n")
+
+
+@pytest.mark.parametrize("command", ["verify", "diff", "inspect", "merge"])
+def test_unexpected_error_names_a_flag_the_command_has(fixtures_root, tmp_path, monkeypatch,
+                                                       command):
+    """The last-resort message asks for -v output only where -v exists (merge)."""
+    from shardscope.tui import cli
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    target = {"verify": "cmd_verify", "diff": "cmd_diff", "inspect": "cmd_inspect",
+              "merge": "cmd_merge"}[command]
+    monkeypatch.setattr(cli, target, boom)
+    args = {"verify": ("verify", ref), "diff": ("diff", ref, ref), "inspect": ("inspect", ref),
+            "merge": ("merge", ref, "-o", tmp_path / "out")}[command]
+    r = run_cli(*args)
+    assert r.returncode == 1
+    [line] = r.stderr.splitlines()
+    assert line.startswith("shardscope: unexpected error (RuntimeError: boom); please report")
+    if command == "merge":
+        assert line.endswith("with the output of the same command with -v")
+        assert "-v, --verbose" in run_cli("merge", "--help").stdout
+    else:
+        assert "-v" not in line and line.endswith("with the command line that caused it")
+        assert "-v" not in run_cli(command, "--help").stdout.split()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -252,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardscope: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2 if _concerns_output(args, e.filename) else 3
     except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback
+        # only merge has -v; the other commands' report is the command line and this line
+        how = ("the output of the same command with -v" if args.command == "merge"
+               else "the command line that caused it")
         print(f"shardscope: unexpected error ({type(e).__name__}: {e}); please report it "
-              "with `-v` output", file=sys.stderr)
+              f"with {how}", file=sys.stderr)
         return 1
 
 
@@ -323,6 +327,10 @@ def _check_args(args) -> None:
             and not os.path.isfile(os.path.join(args.hf_config, "config.json"))):
         # as merge refuses it (core/plan.py): a folder ignored in silence read as "checked"
         raise UsageError("has no config.json", args.hf_config)
+    if args.command in ("verify", "diff"):  # also verify without --reference: never ignored
+        for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
+            if not (math.isfinite(value) and value >= 0):  # NaN, inf, negative
+                raise UsageError(f"{flag} must be a non-negative number")
     if args.command == "merge" and args.workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {args.workers})")
     if args.command == "sample" and args.world_size < 1:
@@ -811,8 +819,8 @@ def cmd_diff(args) -> int:
     from shardscope.core import MergeCancelled, UsageError
     from shardscope.core.diff import SideOptions, check_readable, diff_checkpoints
 
-    if args.atol < 0 or args.rtol < 0 or args.top < 0:
-        raise UsageError("--atol, --rtol and --top must not be negative")
+    if args.top < 0:  # --atol/--rtol: _check_args
+        raise UsageError("--top must not be negative")
     for path in (args.a, args.b):
         check_readable(path)
     side = SideOptions(hf_config=args.hf_config, dtype=args.dtype, weights=args.weights,
