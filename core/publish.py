@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from .errors import ShardscopeError
+from .errors import ShardscopeError, UsageError
 
 #: with huggingface_hub < 1.20, folders above this many bytes go through upload_large_folder
 LARGE = 10 * 10**9
@@ -228,6 +228,20 @@ def upload(folder: str, repo_id: str, private: bool = False, revision: str | Non
         retry = retry_command(folder, repo_id, private, revision, commit_message)
         raise UploadError(f"upload to {repo_id} failed ({text}); the merged folder is intact: "
                           f"retry with `{retry}`", folder) from None
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Raise :class:`UsageError` (exit 2) unless ``repo_id`` is a Hub model repository id that
+    huggingface_hub accepts (``validate_repo_id``: ``NAME`` or ``NAMESPACE/NAME``): said before
+    any merge or network use, not as a failed upload (exit 4) with a retry that fails again."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise UsageError(f"{repo_id!r} is not a Hub repository id (NAME or NAMESPACE/NAME: "
+                         "letters, digits, '-', '_' and '.', no '--' or '..', at most 96 "
+                         "characters each)") from None
 
 
 def retry_command(folder: str, repo_id: str, private: bool = False, revision: str | None = None,

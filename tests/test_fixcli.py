@@ -76,3 +76,28 @@ def test_unexpected_error_names_a_flag_the_command_has(fixtures_root, tmp_path, 
     else:
         assert "-v" not in line and line.endswith("with the command line that caused it")
         assert "-v" not in run_cli(command, "--help").stdout.split()
+
+
+@pytest.mark.parametrize("repo_id", ["bad repo id", "a/b/c", "me/x.git", "a--b/c"])
+@pytest.mark.parametrize("command", ["upload", "merge"])
+def test_invalid_repo_id_is_a_usage_error_before_any_work(fixtures_root, tmp_path, monkeypatch,
+                                                          repo_id, command):
+    """Exit 2 and one line, before the merge and before any request (not exit 4, "upload
+    failed", with a retry command that repeats the bad id)."""
+    import huggingface_hub.constants
+    from fake_hub import FakeHub
+
+    out = tmp_path / "out"
+    with FakeHub() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+        if command == "upload":
+            r = run_cli("upload", fixtures_root / "w2-qwen2-f32.reference", repo_id)
+        else:
+            r = run_cli("merge", fixtures_root / "w2-qwen2-f32", "-o", out, "--hf-upload",
+                        repo_id, "--private")
+    assert r.returncode == 2, r.stderr
+    [line] = r.stderr.splitlines()
+    assert line.startswith(f"shardscope: {repo_id!r} is not a Hub repository id (")
+    assert "retry" not in line and r.stdout == ""
+    assert hub.paths == [] and not out.exists()

@@ -331,6 +331,12 @@ def _check_args(args) -> None:
         for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
             if not (math.isfinite(value) and value >= 0):  # NaN, inf, negative
                 raise UsageError(f"{flag} must be a non-negative number")
+    repo_id = (args.repo_id if args.command == "upload" else
+               (args.hf_upload or args.hf_upload_path) if args.command == "merge" else None)
+    if repo_id is not None:  # before the merge and before any network use
+        from shardscope.core.publish import check_repo_id
+
+        check_repo_id(repo_id)
     if args.command == "merge" and args.workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {args.workers})")
     if args.command == "sample" and args.world_size < 1:
