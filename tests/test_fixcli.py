@@ -101,3 +101,31 @@ def test_invalid_repo_id_is_a_usage_error_before_any_work(fixtures_root, tmp_pat
     assert line.startswith(f"shardscope: {repo_id!r} is not a Hub repository id (")
     assert "retry" not in line and r.stdout == ""
     assert hub.paths == [] and not out.exists()
+
+
+@pytest.mark.parametrize("n", [33, 99999])
+def test_sample_refuses_an_absurd_world_size_before_spawning(tmp_path, monkeypatch, n):
+    """Each rank is a process: 99999 once started thousands. The refusal comes before
+    write_sample (replaced here by a stand-in that records its calls: nothing is spawned)."""
+    from shardscope.core import sample
+
+    calls = []
+    monkeypatch.setattr(sample, "write_sample", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(sample, "write_checkpoints", lambda *a, **k: calls.append((a, k)))
+    r = run_cli("sample", tmp_path / "x", "--world-size", n)
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr.startswith(f"shardscope: --world-size must be at most 32 (got {n}): ")
+    assert len(r.stderr.splitlines()) == 1
+    assert calls == [] and not (tmp_path / "x").exists()
+    r = run_cli("sample", tmp_path / "x", "--world-size", 32)  # the bound itself is accepted
+    assert r.returncode == 0, r.stderr
+    assert calls == [((str(tmp_path / "x"),), {"world_size": 32, "reference": None})]
+
+
+def test_sample_bound_is_the_smallest_sharded_dim():
+    """32 = rows of the sample model's smallest tensor (k_proj, v_proj), the dim FSDP2 cuts."""
+    from shardscope.core.sample import Variant, build_model
+    from shardscope.tui.cli import SAMPLE_MAX_WORLD_SIZE
+
+    model = build_model(Variant("ckpt"))
+    assert SAMPLE_MAX_WORLD_SIZE == min(t.shape[0] for t in model.state_dict().values()) == 32

@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="the folder to write (a new or empty one): verl's layout, "
                                 "model_world_size_W_rank_r.pt + fsdp_config.json + huggingface/")
     s.add_argument("--world-size", type=int, default=2,
-                   help="number of ranks (processes) to shard the model over (default 2)")
+                   help="number of ranks (processes) to shard the model over (default 2, "
+                        f"at most {SAMPLE_MAX_WORLD_SIZE})")
     s.add_argument("--reference", help="also write the unsharded model here (save_pretrained; "
                                        "a new or empty folder), for verify --reference")
     s.add_argument("--megatron", metavar="FAMILY", choices=["llama", "qwen2", "qwen3", "mixtral"],
@@ -307,6 +308,13 @@ def _stop_if_interrupted(cancel: threading.Event) -> None:
         raise KeyboardInterrupt
 
 
+#: ``sample --world-size`` bound: the rows of the sample model's smallest sharded tensor
+#: (k_proj/v_proj: 2 key-value heads x head dim 64/4, core/sample.tiny_config), which FSDP2
+#: cuts by rows; each rank is a spawned process importing torch, so an unbounded N would start
+#: N of them
+SAMPLE_MAX_WORLD_SIZE = 32
+
+
 def _check_args(args) -> None:
     """Refuse impossible option values before any work (:class:`UsageError`, exit 2): an
     input path that does not exist, ``--workers`` (or ``sample --world-size``) below 1."""
@@ -341,6 +349,10 @@ def _check_args(args) -> None:
         raise UsageError(f"--workers must be at least 1 (got {args.workers})")
     if args.command == "sample" and args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {args.world_size})")
+    if args.command == "sample" and args.world_size > SAMPLE_MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size must be at most {SAMPLE_MAX_WORLD_SIZE} (got "
+                         f"{args.world_size}): each rank is a process, and the tiny model's "
+                         f"smallest sharded tensor has {SAMPLE_MAX_WORLD_SIZE} rows")
 
 
 def _concerns_output(args, filename) -> bool:
