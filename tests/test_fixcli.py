@@ -129,3 +129,44 @@ def test_sample_bound_is_the_smallest_sharded_dim():
 
     model = build_model(Variant("ckpt"))
     assert SAMPLE_MAX_WORLD_SIZE == min(t.shape[0] for t in model.state_dict().values()) == 32
+
+
+def test_sample_megatron_without_megatron_core_says_how_to_install(tmp_path, monkeypatch):
+    """Not "No module named 'megatron'": the pip command of the extra, exit 2, nothing made."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "megatron", None)  # as if it were not installed
+    r = run_cli("sample", tmp_path / "mg", "--megatron", "llama")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("shardscope: --megatron needs megatron-core, which is not installed: "
+                        "pip install 'shardscope[megatron]'\n")
+    assert not (tmp_path / "mg").exists()
+
+
+@pytest.mark.parametrize("megatron", [False, True])
+@pytest.mark.parametrize("where", ["inside", "itself", "reference"])
+def test_sample_into_a_file_says_it_is_a_file(tmp_path, monkeypatch, megatron, where):
+    """`sample README.md/x` said "[Errno 17] File exists: 'README.md'" after its minute of
+    work; now it says README.md is a file, at once (nothing spawned: the writers are
+    replaced by stand-ins that record their calls)."""
+    from shardscope.core import sample, sample_megatron
+
+    calls = []
+    monkeypatch.setattr(sample, "write_sample", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(sample_megatron, "write_megatron", lambda *a, **k: calls.append(a))
+    (tmp_path / "README.md").write_text("hi\n")
+    if megatron and where == "reference":
+        pytest.skip("--megatron writes its reference inside PATH")
+    target = {"inside": ("README.md/x",), "itself": ("README.md",),
+              "reference": ("new", "--reference", "README.md/sub/ref")}[where]
+    r = run_cli("sample", *target, *(("--megatron", "llama") if megatron else ()),
+                cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    if where == "itself":
+        assert r.stderr == "shardscope: README.md: is a file, not a folder; choose a new folder\n"
+    else:
+        assert r.stderr == (f"shardscope: README.md: is a file, not a folder, so {target[-1]} "
+                            "cannot be made inside it\n")
+    assert "Errno" not in r.stderr and calls == []

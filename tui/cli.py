@@ -881,18 +881,54 @@ def cmd_diff(args) -> int:
     return 0 if result.same else 1
 
 
+MEGATRON_MISSING = ("--megatron needs megatron-core, which is not installed: "
+                    "pip install 'shardscope[megatron]'")
+
+
+def _importable(name: str) -> bool:
+    """Whether module ``name`` can be imported (without importing it, its parent aside)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing (or set to None)
+        return False
+
+
+def _check_new_folder(folder: str) -> None:
+    """Refuse (UsageError) a folder ``sample`` could not create, before its minute of work:
+    ``folder`` itself, or the nearest of its parents that exists, is a file."""
+    from shardscope.core import UsageError
+
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UsageError("is a file, not a folder; choose a new folder", folder)
+    up = os.path.dirname(os.path.normpath(folder))
+    while up and not os.path.exists(up):
+        up = os.path.dirname(up)
+    if up and not os.path.isdir(up):
+        raise UsageError(f"is a file, not a folder, so {folder} cannot be made inside it", up)
+
+
 def cmd_sample(args) -> int:
     from shardscope.core import UsageError
     from shardscope.core.sample import write_sample
 
+    for folder in (args.path, args.reference):
+        if folder:
+            _check_new_folder(folder)
     if args.megatron:
         from shardscope.core.sample_megatron import write_megatron
 
         if os.path.exists(args.path):
             raise UsageError("exists; choose a new folder", args.path)
+        # find_spec("megatron.core") itself raises "No module named 'megatron'" without it
+        if not _importable("megatron") or not _importable("megatron.core"):
+            raise UsageError(MEGATRON_MISSING)
         try:
             out = write_megatron(args.path, args.megatron)
         except ImportError as e:
+            if (e.name or "").partition(".")[0] == "megatron":
+                raise UsageError(MEGATRON_MISSING) from None
             raise UsageError(str(e)) from None
         print(f"wrote Megatron-LM checkpoints of a tiny {args.megatron} model to {out}: "
               + ", ".join(sorted(p.name for p in out.iterdir() if p.name.startswith("tp")))
