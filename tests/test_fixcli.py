@@ -170,3 +170,23 @@ def test_sample_into_a_file_says_it_is_a_file(tmp_path, monkeypatch, megatron, w
         assert r.stderr == (f"shardscope: README.md: is a file, not a folder, so {target[-1]} "
                             "cannot be made inside it\n")
     assert "Errno" not in r.stderr and calls == []
+
+
+def test_help_names_every_format_and_matches_the_package_description():
+    """`shardscope --help` and pyproject.toml's description name what is read (DeepSpeed and
+    Megatron were missing); inspect --hf-config is not described as Megatron's alone."""
+    import re
+    import tomllib
+
+    from conftest import ROOT
+
+    text = " ".join(run_cli("--help").stdout.split())
+    described = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"]
+    for fmt in ("FSDP", "DCP", "DeepSpeed", "Megatron", "Hugging Face"):
+        assert fmt in text and fmt in described
+    assert described in text
+    hf = " ".join(run_cli("inspect", "--help").stdout.split())
+    hf = re.search(r"--hf-config DIR (.*?) --deep", hf).group(1)
+    assert not hf.startswith("Megatron")
+    for fmt in ("DCP", "DeepSpeed", "Megatron", "torchtitan", ".pt"):
+        assert fmt in hf

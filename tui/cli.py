@@ -1,6 +1,7 @@
-"""The ``shardscope`` command: ``inspect``, ``merge``, ``verify``, ``sample``; no subcommand
-opens the Textual app. Errors print one line (``shardscope: <file>: <problem>``) and exit with
-2 (usage), 3 (bad checkpoint) or 130 (interrupted); never a traceback."""
+"""The ``shardscope`` command: ``inspect``, ``merge``, ``verify``, ``diff``, ``upload``,
+``sample``; no subcommand opens the Textual app. Errors print one line (``shardscope: <file>:
+<problem>``) and exit with 2 (usage), 3 (bad checkpoint) or 130 (interrupted); never a
+traceback."""
 
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ that only the config folder's code defines.
 Unlike verl's merger, dtypes are kept as trained unless --dtype asks otherwise."""
 
 
+#: what shardscope reads, as ``shardscope --help`` and pyproject.toml's description say it
+#: (tests/test_fixcli.py keeps the two equal)
+SUMMARY = ("Inspect distributed training checkpoints (FSDP/FSDP2, PyTorch DCP, DeepSpeed ZeRO, "
+           "Megatron-LM, Hugging Face), merge them into Hugging Face model folders and compare "
+           "them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardscope",
-        description="Inspect and merge distributed training checkpoints (FSDP, DCP, Hugging "
-                    "Face) into a Hugging Face model folder. Without a command, opens the app.")
+        description=f"{SUMMARY}. Without a command, opens the app.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command")
 
@@ -41,9 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "mesh coordinate (repeatable)")
     i.add_argument("--tag", help="DeepSpeed: the step folder to read instead of `latest`")
     i.add_argument("--hf-config", metavar="DIR",
-                   help="Megatron: the Hugging Face config folder to map names with (else "
-                        "huggingface/ beside the checkpoint, else Megatron's args); with "
-                        "--check, the config to check against")
+                   help="the Hugging Face config folder to read the checkpoint with, in "
+                        "place of its huggingface/ or where it has none (DCP, DeepSpeed, "
+                        "Megatron, torchtitan, a .pt file): Megatron and torchtitan names are "
+                        "mapped with it (without one, Megatron's config is derived from its "
+                        "args); with --check, the config to check against")
     i.add_argument("--deep", action="store_true",
                    help="also read every tensor: check the CRC-32 of torch.save data and count "
                         "NaN/Inf per tensor (reads all bytes once)")
