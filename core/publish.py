@@ -12,10 +12,11 @@ our command line; ``HF_ENDPOINT`` selects a private hub. Nothing here prints the
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Callable
 
-from .errors import ShardscopeError
+from .errors import ShardscopeError, UsageError
 
 #: with huggingface_hub < 1.20, folders above this many bytes go through upload_large_folder
 LARGE = 10 * 10**9
@@ -224,8 +225,38 @@ def upload(folder: str, repo_id: str, private: bool = False, revision: str | Non
         return str(getattr(info, "commit_url", info))
     except Exception as e:  # noqa: BLE001 - network, auth, server: all end the same way
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        retry = retry_command(folder, repo_id, private, revision, commit_message)
         raise UploadError(f"upload to {repo_id} failed ({text}); the merged folder is intact: "
-                          f"retry with `shardscope upload {folder} {repo_id}`", folder) from None
+                          f"retry with `{retry}`", folder) from None
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Raise :class:`UsageError` (exit 2) unless ``repo_id`` is a Hub model repository id that
+    huggingface_hub accepts (``validate_repo_id``: ``NAME`` or ``NAMESPACE/NAME``): said before
+    any merge or network use, not as a failed upload (exit 4) with a retry that fails again."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise UsageError(f"{repo_id!r} is not a Hub repository id (NAME or NAMESPACE/NAME: "
+                         "letters, digits, '-', '_' and '.', no '--' or '..', at most 96 "
+                         "characters each)") from None
+
+
+def retry_command(folder: str, repo_id: str, private: bool = False, revision: str | None = None,
+                  commit_message: str | None = None) -> str:
+    """The ``shardscope upload`` command line that repeats an upload with every option that
+    decides where and how it lands (``--private``: a retry must not create the repository
+    public; ``--revision``; ``--commit-message``), each path and value shell-quoted."""
+    argv = ["shardscope", "upload", folder, repo_id]
+    if private:
+        argv.append("--private")
+    if revision:
+        argv += ["--revision", revision]
+    if commit_message:
+        argv += ["--commit-message", commit_message]
+    return shlex.join(argv)
 
 
 def _upload_counted(api, folder, repo_id, revision, message, progress) -> str:

@@ -171,3 +171,31 @@ def test_large_folder_upload_resumes_and_leaves_the_folder_sound(fixtures_root, 
     sent = {f: b for c in hub.commits for f, b in c["files"].items()}
     assert sent == files  # byte for byte, and nothing from .cache/
     assert {rel: p.read_bytes() for rel, p in upload_files(str(out))} == files  # unchanged
+
+
+def test_retry_hint_repeats_every_option_shell_quoted(fixtures_root, tmp_path, monkeypatch):
+    """A failed upload's retry command repeats --private, --revision and --commit-message (a
+    retry that dropped --private would create the repository public) and quotes the folder
+    and values: run as printed, it lands where the first attempt was meant to."""
+    import re
+    import shlex
+
+    from conftest import run_cli
+
+    out = tmp_path / "out dir"
+    want = ["shardscope", "upload", str(out), "me/x", "--private", "--revision", "dev",
+            "--commit-message", "hi there"]
+    with FakeHub(fail_commits=10) as hub:
+        in_process(monkeypatch, hub)
+        r = run_cli("merge", fixtures_root / "w2-qwen2-f32", "-o", out, "--hf-upload", "me/x",
+                    "--private", "--revision", "dev", "--commit-message", "hi there")
+        assert r.returncode == 4, r.stderr
+        [retry] = re.findall(r"retry with `([^`]*)`", r.stderr)
+        assert shlex.split(retry) == want
+        hub.fail_commits = 0
+        r = run_cli(*shlex.split(retry)[1:])
+        assert r.returncode == 0, r.stderr
+    assert all(repo.get("visibility") == "private" or repo.get("private") is True
+               for repo in hub.repos)
+    assert hub.commits[-1]["revision"] == "dev"
+    assert hub.commits[-1]["header"]["summary"] == "hi there"

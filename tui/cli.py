@@ -1,11 +1,13 @@
-"""The ``shardscope`` command: ``inspect``, ``merge``, ``verify``, ``sample``; no subcommand
-opens the Textual app. Errors print one line (``shardscope: <file>: <problem>``) and exit with
-2 (usage), 3 (bad checkpoint) or 130 (interrupted); never a traceback."""
+"""The ``shardscope`` command: ``inspect``, ``merge``, ``verify``, ``diff``, ``upload``,
+``sample``; no subcommand opens the Textual app. Errors print one line (``shardscope: <file>:
+<problem>``) and exit with 2 (usage), 3 (bad checkpoint) or 130 (interrupted); never a
+traceback."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -23,11 +25,17 @@ that only the config folder's code defines.
 Unlike verl's merger, dtypes are kept as trained unless --dtype asks otherwise."""
 
 
+#: what shardscope reads, as ``shardscope --help`` and pyproject.toml's description say it
+#: (tests/test_fixcli.py keeps the two equal)
+SUMMARY = ("Inspect distributed training checkpoints (FSDP/FSDP2, PyTorch DCP, DeepSpeed ZeRO, "
+           "Megatron-LM, Hugging Face), merge them into Hugging Face model folders and compare "
+           "them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardscope",
-        description="Inspect and merge distributed training checkpoints (FSDP, DCP, Hugging "
-                    "Face) into a Hugging Face model folder. Without a command, opens the app.")
+        description=f"{SUMMARY}. Without a command, opens the app.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command")
 
@@ -40,9 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "mesh coordinate (repeatable)")
     i.add_argument("--tag", help="DeepSpeed: the step folder to read instead of `latest`")
     i.add_argument("--hf-config", metavar="DIR",
-                   help="Megatron: the Hugging Face config folder to map names with (else "
-                        "huggingface/ beside the checkpoint, else Megatron's args); with "
-                        "--check, the config to check against")
+                   help="the Hugging Face config folder to read the checkpoint with, in "
+                        "place of its huggingface/ or where it has none (DCP, DeepSpeed, "
+                        "Megatron, torchtitan, a .pt file): Megatron and torchtitan names are "
+                        "mapped with it (without one, Megatron's config is derived from its "
+                        "args); with --check, the config to check against")
     i.add_argument("--deep", action="store_true",
                    help="also read every tensor: check the CRC-32 of torch.save data and count "
                         "NaN/Inf per tensor (reads all bytes once)")
@@ -176,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="the folder to write (a new or empty one): verl's layout, "
                                 "model_world_size_W_rank_r.pt + fsdp_config.json + huggingface/")
     s.add_argument("--world-size", type=int, default=2,
-                   help="number of ranks (processes) to shard the model over (default 2)")
+                   help="number of ranks (processes) to shard the model over (default 2, "
+                        f"at most {SAMPLE_MAX_WORLD_SIZE})")
     s.add_argument("--reference", help="also write the unsharded model here (save_pretrained; "
                                        "a new or empty folder), for verify --reference")
     s.add_argument("--megatron", metavar="FAMILY", choices=["llama", "qwen2", "qwen3", "mixtral"],
@@ -252,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardscope: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2 if _concerns_output(args, e.filename) else 3
     except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback
+        # only merge has -v; the other commands' report is the command line and this line
+        how = ("the output of the same command with -v" if args.command == "merge"
+               else "the command line that caused it")
         print(f"shardscope: unexpected error ({type(e).__name__}: {e}); please report it "
-              "with `-v` output", file=sys.stderr)
+              f"with {how}", file=sys.stderr)
         return 1
 
 
@@ -303,6 +317,13 @@ def _stop_if_interrupted(cancel: threading.Event) -> None:
         raise KeyboardInterrupt
 
 
+#: ``sample --world-size`` bound: the rows of the sample model's smallest sharded tensor
+#: (k_proj/v_proj: 2 key-value heads x head dim 64/4, core/sample.tiny_config), which FSDP2
+#: cuts by rows; each rank is a spawned process importing torch, so an unbounded N would start
+#: N of them
+SAMPLE_MAX_WORLD_SIZE = 32
+
+
 def _check_args(args) -> None:
     """Refuse impossible option values before any work (:class:`UsageError`, exit 2): an
     input path that does not exist, ``--workers`` (or ``sample --world-size``) below 1."""
@@ -319,10 +340,28 @@ def _check_args(args) -> None:
                 raise UsageError("no such file or folder", path)
     if args.command == "verify" and args.reference and not os.path.exists(args.reference):
         raise UsageError("no such file or folder", args.reference)
+    if (args.command == "inspect" and args.hf_config
+            and not os.path.isfile(os.path.join(args.hf_config, "config.json"))):
+        # as merge refuses it (core/plan.py): a folder ignored in silence read as "checked"
+        raise UsageError("has no config.json", args.hf_config)
+    if args.command in ("verify", "diff"):  # also verify without --reference: never ignored
+        for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
+            if not (math.isfinite(value) and value >= 0):  # NaN, inf, negative
+                raise UsageError(f"{flag} must be a non-negative number")
+    repo_id = (args.repo_id if args.command == "upload" else
+               (args.hf_upload or args.hf_upload_path) if args.command == "merge" else None)
+    if repo_id is not None:  # before the merge and before any network use
+        from shardscope.core.publish import check_repo_id
+
+        check_repo_id(repo_id)
     if args.command == "merge" and args.workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {args.workers})")
     if args.command == "sample" and args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {args.world_size})")
+    if args.command == "sample" and args.world_size > SAMPLE_MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size must be at most {SAMPLE_MAX_WORLD_SIZE} (got "
+                         f"{args.world_size}): each rank is a process, and the tiny model's "
+                         f"smallest sharded tensor has {SAMPLE_MAX_WORLD_SIZE} rows")
 
 
 def _concerns_output(args, filename) -> bool:
@@ -807,8 +846,8 @@ def cmd_diff(args) -> int:
     from shardscope.core import MergeCancelled, UsageError
     from shardscope.core.diff import SideOptions, check_readable, diff_checkpoints
 
-    if args.atol < 0 or args.rtol < 0 or args.top < 0:
-        raise UsageError("--atol, --rtol and --top must not be negative")
+    if args.top < 0:  # --atol/--rtol: _check_args
+        raise UsageError("--top must not be negative")
     for path in (args.a, args.b):
         check_readable(path)
     side = SideOptions(hf_config=args.hf_config, dtype=args.dtype, weights=args.weights,
@@ -851,18 +890,54 @@ def cmd_diff(args) -> int:
     return 0 if result.same else 1
 
 
+MEGATRON_MISSING = ("--megatron needs megatron-core, which is not installed: "
+                    "pip install 'shardscope[megatron]'")
+
+
+def _importable(name: str) -> bool:
+    """Whether module ``name`` can be imported (without importing it, its parent aside)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing (or set to None)
+        return False
+
+
+def _check_new_folder(folder: str) -> None:
+    """Refuse (UsageError) a folder ``sample`` could not create, before its minute of work:
+    ``folder`` itself, or the nearest of its parents that exists, is a file."""
+    from shardscope.core import UsageError
+
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UsageError("is a file, not a folder; choose a new folder", folder)
+    up = os.path.dirname(os.path.normpath(folder))
+    while up and not os.path.exists(up):
+        up = os.path.dirname(up)
+    if up and not os.path.isdir(up):
+        raise UsageError(f"is a file, not a folder, so {folder} cannot be made inside it", up)
+
+
 def cmd_sample(args) -> int:
     from shardscope.core import UsageError
     from shardscope.core.sample import write_sample
 
+    for folder in (args.path, args.reference):
+        if folder:
+            _check_new_folder(folder)
     if args.megatron:
         from shardscope.core.sample_megatron import write_megatron
 
         if os.path.exists(args.path):
             raise UsageError("exists; choose a new folder", args.path)
+        # find_spec("megatron.core") itself raises "No module named 'megatron'" without it
+        if not _importable("megatron") or not _importable("megatron.core"):
+            raise UsageError(MEGATRON_MISSING)
         try:
             out = write_megatron(args.path, args.megatron)
         except ImportError as e:
+            if (e.name or "").partition(".")[0] == "megatron":
+                raise UsageError(MEGATRON_MISSING) from None
             raise UsageError(str(e)) from None
         print(f"wrote Megatron-LM checkpoints of a tiny {args.megatron} model to {out}: "
               + ", ".join(sorted(p.name for p in out.iterdir() if p.name.startswith("tp")))
