@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the base alone")
     m.add_argument("--lora-adapter", metavar="NAME", help="which adapter, when there are several")
     m.add_argument("--lora-alpha", type=float,
-                   help="the run's lora_alpha, when the checkpoint does not record it")
+                   help="the run's lora_alpha, when the checkpoint does not record it (peft's "
+                        "default alpha: modules an adapter config's alpha_pattern names keep "
+                        "theirs)")
     m.add_argument("--lora-config", metavar="FILE",
                    help="the adapter's own adapter_config.json (or its folder), when it is not "
                         "at lora_adapter/ beside the checkpoint: each module's rank and alpha "
