@@ -760,7 +760,7 @@ def cmd_verify(args) -> int:
                       highlight=False)
     errors = [p for p in problems if p.severity == "error"]
     warnings = [p for p in problems if p.severity != "error"]
-    if args.reference:
+    if args.reference and not errors:  # a folder with errors is not ok, whatever its values
         diffs = compare(args.path, args.reference, args.atol, args.rtol)
         if diffs:
             t = Table("tensor", "difference", "detail", title="differences from the reference")
@@ -786,7 +786,8 @@ def cmd_verify(args) -> int:
     if errors:
         console.print(f"[red]not ok[/] {args.path}: {len(errors)} error(s) ("
                       + ", ".join(dict.fromkeys(p.code for p in errors)) + ")"
-                      + (f" and {len(warnings)} warning(s)" if warnings else ""),
+                      + (f" and {len(warnings)} warning(s)" if warnings else "")
+                      + (f"; not compared with {args.reference}" if args.reference else ""),
                       highlight=False)
         return 1
     if warnings:  # the verdict names every problem listed above, never a bare "ok"
