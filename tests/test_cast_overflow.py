@@ -140,3 +140,26 @@ def test_tensor_parallel_pieces_cast_in_memory_are_counted_too(megatron_root, tm
 
     assert [w for w in r16.stderr.splitlines() if "±Inf" in w] == [
         f"warning: {overflow_warning(want, 'fp16')}"], r16.stderr
+
+
+@pytest.mark.asyncio
+async def test_the_app_shows_the_overflow_warning(fixtures_root, tmp_path):
+    """The app's merge run lists the result's warnings: the cast's overflow line is one."""
+    from textual.widgets import Select
+
+    from conftest import inspector_ready, wait_for
+    from test_app import open_form, run_to_end
+    from shardscope.tui.app import make_app
+
+    src, _ = _edited_reference(fixtures_root, tmp_path)
+    app = make_app(str(src))
+    async with app.run_test(size=(160, 40)) as pilot:
+        await inspector_ready(pilot, app)
+        form = await open_form(pilot, app, tmp_path / "out")
+        form.query_one("#dtype", Select).value = "fp16"
+        run = await run_to_end(pilot, app)
+        await wait_for(pilot, lambda: "verified" in str(run.query_one("#result").render()))
+        result = str(run.query_one("#result").render())
+    assert ("warning: --dtype fp16: 4 finite values out of fp16's range became ±Inf (as "
+            "torch's .to() makes them) in 2 tensors: model.embed_tokens.weight (2), "
+            "model.norm.weight (2)") in " ".join(result.split()), result
