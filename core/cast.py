@@ -91,3 +91,52 @@ def cast_bytes(data, src: str, dst: str) -> np.ndarray:
         chunk = raw[i * ITEM[src]:i * ITEM[src] + step]
         _from_f32(_to_f32(chunk, src, f32), dst, out[i:i + CHUNK], tmp, nan)
     return out
+
+
+#: each float type: (its bits without the sign, the bits of +Inf, the sign bit); a value's
+#: bits ``b`` are ±Inf when ``b & mask == inf``, Inf or NaN when ``b & mask >= inf``
+_INF = {"F16": (0x7FFF, 0x7C00, 0x8000), "BF16": (0x7FFF, 0x7F80, 0x8000),
+        "F32": (0x7FFFFFFF, 0x7F800000, 0x80000000),
+        "F64": (0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, 0x8000000000000000)}
+_WORD = {"F16": np.uint16, "BF16": np.uint16, "F32": np.uint32, "F64": np.uint64}
+_SIGNED = {np.uint16: np.int16, np.uint32: np.int32, np.uint64: np.int64}
+#: how far each type reaches: a cast to a type of a lower rank can overflow (F32 -> BF16 too:
+#: values within half a BF16 step of F32's largest round up to Inf)
+_RANGE = {"F16": 0, "BF16": 1, "F32": 2, "F64": 3}
+
+
+def can_overflow(src: str, dst: str) -> bool:
+    """True when casting ``src`` elements to ``dst`` may turn finite values into ±Inf."""
+    return src in _RANGE and dst in _RANGE and _RANGE[dst] < _RANGE[src]
+
+
+def count_inf(raw: np.ndarray, dtype: str) -> int:
+    """How many elements of ``raw`` (the bytes, or unsigned ints as wide as the elements, of
+    ``dtype``: F16, BF16, F32 or F64) are +Inf or -Inf. Two max reductions over the words (no
+    temporary array) tell a chunk without Inf or NaN, the usual case; only a chunk holding
+    some is counted element by element."""
+    mask, inf, sign = _INF[dtype]
+    u = raw.reshape(-1).view(_WORD[dtype])
+    if not len(u):
+        return 0
+    # as signed ints +Inf/+NaN are the largest positive words; as unsigned ints -Inf/-NaN
+    # are the largest of all (the sign bit set, then the exponent's bits all set)
+    if u.view(_SIGNED[_WORD[dtype]]).max() < inf and u.max() < (sign | inf):
+        return 0
+    return int(np.count_nonzero((u & mask) == inf))
+
+
+def overflowed(src_raw, src: str, out_raw, dst: str) -> int:
+    """Elements finite in ``src_raw`` (``src`` elements) and ±Inf in ``out_raw``, its cast to
+    ``dst`` (the same elements in the same order; both bytes-like or numpy words): a cast
+    keeps Inf as Inf and NaN as NaN, so this is the Inf count of the output less that of the
+    source. 0 when the cast cannot overflow (:func:`can_overflow`)."""
+    if not can_overflow(src, dst):
+        return 0
+    out_raw = out_raw if isinstance(out_raw, np.ndarray) else np.frombuffer(out_raw, np.uint8)
+    n = count_inf(out_raw, dst)
+    if n:
+        src_raw = (src_raw if isinstance(src_raw, np.ndarray)
+                   else np.frombuffer(src_raw, np.uint8))
+        n -= count_inf(src_raw, src)
+    return n

@@ -218,7 +218,7 @@ def _cast_buffers(isz: int, out_dtype):
 
 
 def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str,
-                record=None) -> None:
+                record=None) -> int:
     """Cast contiguous piece ``p`` (F32/F16/BF16) to ``out_dtype`` from its file to ``dst`` at
     byte ``pos``, :data:`CAST_STEP` elements at a time, with torch's own conversion
     (``Tensor.copy_`` into a reused buffer: the kernel ``Tensor.to`` runs, so the bits are
@@ -235,10 +235,15 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str,
     cache; it releases the GIL), instead of the CRC checker reading the record a second
     time; a mismatch raises :func:`~.integrity.crc_error` (the merge's refusal naming the
     file, the record and its tensor) after the piece is written (into the temporary folder,
-    which the refusal removes)."""
+    which the refusal removes).
+
+    Returns how many finite values the cast made ±Inf (out of ``out_dtype``'s range, as
+    ``.to()`` makes them: :func:`~.cast.overflowed` on each step's buffers, two max reductions
+    over the output words unless a step holds Inf or NaN)."""
     import warnings
     import zlib
 
+    from .cast import can_overflow, overflowed
     from .dtypes import torch_dtype
 
     torch = _torch()
@@ -248,7 +253,8 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str,
     fd = src.fd(p.file) if local else None
     inbuf, out, out_bytes = _cast_buffers(isz, torch_dtype(out_dtype))
     in_dtype = torch_dtype(p.dtype)
-    crc = 0
+    crc = over = 0
+    narrows = can_overflow(p.dtype, out_dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -265,6 +271,8 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str,
                 warnings.simplefilter("ignore")  # a read-only buffer: only read here
                 x = torch.frombuffer(view, dtype=in_dtype, count=k)
             out[:k].copy_(x)
+            if narrows:
+                over += overflowed(view, p.dtype, out_bytes[:k * osz], out_dtype)
             _pwrite_all(dst, out_bytes[:k * osz], pos + i * osz)
     finally:
         torch.set_num_threads(threads)
@@ -280,6 +288,7 @@ def _cast_range(p: Piece, src: "_Sources", dst: int, pos: int, out_dtype: str,
             from .integrity import crc_error
 
             raise crc_error(record)
+    return over
 
 
 def fused_records(plan: MergePlan, records: list, is_local) -> dict[tuple[str, int], object]:
@@ -493,6 +502,22 @@ def fold_lora(w, a, b, scale: float, out_dtype, kind: str = "linear", magnitude=
     return w.to(out_dtype)
 
 
+def _overflowed_t(x, src: str, y, dst: str) -> int:
+    """:func:`~.cast.overflowed` of torch tensors: ``x`` (``src`` elements) and ``y``, its
+    cast to ``dst``; ``x`` is read only when ``y`` holds an Inf."""
+    from .cast import can_overflow, count_inf
+
+    if not can_overflow(src, dst):
+        return 0
+    import torch
+
+    def words(v):
+        return v.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+    n = count_inf(words(y), dst)
+    return n - count_inf(words(x), src) if n else 0
+
+
 def _row_blocks(t: OutputTensor) -> bool:
     """True when the pieces are whole rows (every dim but the first complete) that follow each
     other: then the output bytes are the pieces' bytes in order."""
@@ -520,6 +545,8 @@ class _Writer:
         self.count = plan.tensor_count
         #: records whose CRC-32 the cast computes (:func:`fused_records`), by (file, offset)
         self.fused: dict[tuple[str, int], object] = {}
+        #: tensor name -> how many finite values its cast made ±Inf (none: not listed)
+        self.overflow: dict[str, int] = {}
 
     def _report(self, piece: Piece | None, nbytes: int, tensor: str = "", ofile: str = ""):
         with self.lock:
@@ -538,8 +565,10 @@ class _Writer:
     def write_tensor(self, t: OutputTensor, dst: int, offset: int, ofile: str) -> None:
         if self.cancel.is_set():
             raise MergeCancelled("merge cancelled")
+        from .cast import overflowed
         from .dtypes import torch_dtype
 
+        over = 0  # finite values the cast made ±Inf
         if t.fold is not None:
             f = t.fold
             w = assemble(t.pieces, t.shape, t.source.dtype, self.src, t.source.flat)
@@ -547,7 +576,10 @@ class _Writer:
             b = assemble(f.b_pieces, f.b.shape, f.b.dtype, self.src, f.b.flat)
             m = (assemble(f.m_pieces, f.magnitude.shape, f.magnitude.dtype, self.src,
                           f.magnitude.flat) if f.magnitude is not None else None)
-            x = fold_lora(w, a, b, f.scale, torch_dtype(t.dtype), f.kind, m).contiguous()
+            # folded in the weight's dtype (as peft does), then cast here to count overflows
+            folded = fold_lora(w, a, b, f.scale, w.dtype, f.kind, m).contiguous()
+            x = folded.to(torch_dtype(t.dtype)).contiguous()
+            over = _overflowed_t(folded, t.source.dtype, x, t.dtype)
             import torch
 
             _pwrite_all(dst, x.reshape(-1).view(torch.uint8).numpy(), offset)
@@ -564,8 +596,8 @@ class _Writer:
                     _copy_range(self.src.fd(p.file), dst, p.nbytes, p.byte_offset, pos, p.file)
                 elif p.contiguous and {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
                     # streamed: bounded memory; the record's CRC-32 on the way when fused
-                    _cast_range(p, self.src, dst, pos, t.dtype,
-                                self.fused.get((p.file, p.byte_offset)))
+                    over += _cast_range(p, self.src, dst, pos, t.dtype,
+                                        self.fused.get((p.file, p.byte_offset)))
                 elif p.dtype == t.dtype or {p.dtype, t.dtype} <= {"F32", "F16", "BF16"}:
                     # numpy, not torch: same bits, and no 2 s torch import for a cast or a
                     # strided piece (e.g. q/k rows permuted by core/native_names.py)
@@ -573,12 +605,15 @@ class _Writer:
 
                     buf = _piece_bytes(p, self.src)
                     if p.dtype != t.dtype:
-                        buf = cast_bytes(buf, p.dtype, t.dtype)
+                        raw, buf = buf, cast_bytes(buf, p.dtype, t.dtype)
+                        over += overflowed(raw, p.dtype, buf, t.dtype)
                     _pwrite_all(dst, buf, pos)
                 else:
                     import torch
 
-                    x = _piece_tensor(p, self.src).to(torch_dtype(t.dtype)).contiguous()
+                    y = _piece_tensor(p, self.src)
+                    x = y.to(torch_dtype(t.dtype)).contiguous()
+                    over += _overflowed_t(y, p.dtype, x, t.dtype)
                     _pwrite_all(dst, x.reshape(-1).view(torch.uint8).numpy(), pos)
                 pos += out_bytes
                 self._report(p, out_bytes)
@@ -591,18 +626,24 @@ class _Writer:
             if t.dtype != t.source.dtype:
                 from .cast import cast_bytes
 
-                full = cast_bytes(full.reshape(-1).view("u1"), t.source.dtype, t.dtype)
+                raw = full.reshape(-1).view("u1")
+                full = cast_bytes(raw, t.source.dtype, t.dtype)
+                over = overflowed(raw, t.source.dtype, full, t.dtype)
             _pwrite_all(dst, full.reshape(-1).view("u1"), offset)
             self._report(None, t.nbytes)
         else:
             import torch
 
-            full = assemble(t.pieces, t.shape, t.source.dtype, self.src, t.source.flat)
+            whole = assemble(t.pieces, t.shape, t.source.dtype, self.src, t.source.flat)
             for p in t.pieces:
                 self._report(p, 0)
-            full = full.to(torch_dtype(t.dtype)).contiguous()
+            full = whole.to(torch_dtype(t.dtype)).contiguous()
+            over = _overflowed_t(whole, t.source.dtype, full, t.dtype)
             _pwrite_all(dst, full.reshape(-1).view(torch.uint8).numpy(), offset)
             self._report(None, t.nbytes)
+        if over:
+            with self.lock:
+                self.overflow[t.name] = self.overflow.get(t.name, 0) + over
         self._report(None, 0, t.name, ofile)
         if self.log:
             self.log(f"wrote {t.name} {list(t.shape)} {t.dtype} ({len(t.pieces)} pieces) "
@@ -695,6 +736,8 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         if pending is not None:  # the rest as the real plan says, when it writes the same
             spec, plan = plan, pending.confirm(plan, user_cancel)
             warnings = list(plan.warnings) + warnings[len(spec.warnings):]
+        if w.overflow:
+            warnings.append(overflow_warning(w.overflow, opts.dtype))
         if plan.index is not None:
             with _writing(out, "model.safetensors.index.json"):
                 (tmp / "model.safetensors.index.json").write_text(
@@ -743,6 +786,27 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
         _tidy(w.src, trash)
     return MergeResult(str(out), written, plan.total_bytes, time.perf_counter() - t0,
                        plan.tensor_count, warnings, len(crc_records), unchecked)
+
+
+#: tensors an overflow warning names (then "and N more")
+OVERFLOW_NAMED = 10
+
+
+def overflow_warning(counts: dict[str, int], dtype: str | None) -> str:
+    """The merge's one warning about a cast that made finite values ±Inf: ``counts`` maps
+    each such tensor to how many (finite in the checkpoint, Inf in the output), ``dtype`` is
+    ``--dtype`` as given. The output is ``.to()``'s all the same (that is the cast's
+    definition); the warning names the tensors, in name order, with their counts."""
+    from .plan import natural_key
+
+    names = sorted(counts, key=natural_key)
+    listed = ", ".join(f"{n} ({counts[n]})" for n in names[:OVERFLOW_NAMED])
+    more = len(names) - OVERFLOW_NAMED
+    total = sum(counts.values())
+    return (f"--dtype {dtype}: {total} finite value{'s' if total != 1 else ''} out of "
+            f"{dtype}'s range became ±Inf (as torch's .to() makes them) in {len(names)} "
+            f"tensor{'s' if len(names) != 1 else ''}: {listed}"
+            + (f" and {more} more" if more > 0 else ""))
 
 
 def _tidy(src, trash: Path | None) -> None:

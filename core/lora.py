@@ -104,6 +104,18 @@ class AdapterInfo:
                 return self.alpha_pattern[key]
         return self.lora_alpha
 
+    def pattern_alphas(self) -> dict[str, tuple[float, int]]:
+        """The ``alpha_pattern`` entries that decide some module's alpha (peft's matching:
+        each module takes the first key that matches it): key -> (alpha, modules), in the
+        config's order; the other modules take ``lora_alpha``."""
+        used: Counter = Counter()
+        if self.alpha_pattern:
+            for m in self.modules:
+                key = _pattern_key(self.alpha_pattern, m)
+                if key in self.alpha_pattern:
+                    used[key] += 1
+        return {k: (v, used[k]) for k, v in self.alpha_pattern.items() if used[k]}
+
     def scale_for(self, module: str) -> float:
         """peft's ``scaling`` of ``module``: ``alpha / r`` or, with rsLoRA, ``alpha / sqrt(r)``,
         with the module's own rank and alpha. Raises ValueError without alpha."""

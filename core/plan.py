@@ -337,9 +337,19 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     recorded = lora.adapters[adapter.name] if adapter is not None else None
     if (options.lora_alpha is not None and recorded is not None
             and recorded.lora_alpha is not None and recorded.lora_alpha != options.lora_alpha):
+        # peft's lora_alpha is the default alpha: alpha_pattern's entries still apply (as
+        # peft applies them to an adapter_config.json with another lora_alpha)
+        kept = recorded.pattern_alphas()
+        n = sum(k for _, k in kept.values())
         warnings.append(f"--lora-alpha {options.lora_alpha:g} overrides the lora_alpha "
                         f"{recorded.lora_alpha:g} the checkpoint records "
-                        f"({recorded.alpha_source or 'its adapter metadata'})")
+                        f"({recorded.alpha_source or 'its adapter metadata'})" + (
+                            f", not its alpha_pattern: {n} module{'s' if n > 1 else ''} keep "
+                            "their own alpha (" + ", ".join(
+                                f"{key} {a:g} on {k} module{'s' if k > 1 else ''}"
+                                for key, (a, k) in kept.items())
+                            + "); another alpha_pattern takes an adapter_config.json given "
+                            "by --lora-config FILE" if kept else ""))
     mode = options.lora if lora is not None else None
     sources = dict(layout.tensors)
     base_layout = None

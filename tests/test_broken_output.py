@@ -182,3 +182,36 @@ def test_deepspeed_latest_naming_a_missing_step(ds_root, tmp_path):
     assert "'global_step99', which is missing" in e.value.message
     assert "global_step0/" in e.value.message
     assert not detect(src / "global_step0").errors
+
+
+def test_verify_of_a_shard_the_index_leaves_out_is_one_report_exit_1(fixtures_root, tmp_path):
+    """Trial report C1: a merged folder (1 kB shards, one tensor each) whose index lost the
+    entry of lm_head.weight: `verify OUT` blamed config.json ("the embeddings are untied, but
+    there is no lm_head.weight", exit 1) and `verify OUT --reference REF` printed that error
+    twice and exited 3. The cause is the index, which leaves out a shard that holds the
+    tensor: `index-mismatch` naming the shard, exit 1, one report, with or without
+    --reference."""
+    import json
+
+    from conftest import run_cli
+
+    out = tmp_path / "m3"
+    run_merge(plan_merge(detect(fixtures_root / "w2-qwen2-f32"),
+                         MergeOptions(str(out), max_shard_size="1kB")))
+    index_file = out / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = index["weight_map"].pop("lm_head.weight")
+    assert shard not in index["weight_map"].values()  # the tensor is alone in its shard
+    index_file.write_text(json.dumps(index))
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    error = (f"error: index-mismatch {out / shard}: holds 1 tensor (lm_head.weight), but "
+             "model.safetensors.index.json does not name this shard: from_pretrained does not "
+             "load it")
+    r = run_cli("verify", out)
+    assert (r.returncode, r.stdout.splitlines(), r.stderr) == (
+        1, [error, f"not ok {out}: 1 error(s) (index-mismatch)"], ""), r
+    r = run_cli("verify", out, "--reference", ref)
+    assert (r.returncode, r.stdout.splitlines(), r.stderr) == (
+        1, [error, f"not ok {out}: 1 error(s) (index-mismatch); not compared with {ref}"],
+        ""), r
+    assert [p.code for p in detect(out).problems] == ["index-mismatch"]

@@ -330,3 +330,37 @@ async def test_merge_form_asks_for_alpha_when_the_run_metadata_cannot_give_it(lo
         await run_to_end(pilot, app)
     exact(load_file(tmp_path / "out" / "model.safetensors"),
           load_file(lora_root / "w2-lora-patterns.fold" / "model.safetensors"))
+
+
+def test_lora_alpha_overrides_lora_alpha_and_says_alpha_pattern_is_kept(lora_root, tmp_path):
+    """``--lora-alpha A`` is peft's ``lora_alpha``, the default alpha: the modules named by
+    the adapter config's alpha_pattern keep their own alpha, as peft keeps them when only
+    lora_alpha changes (its merge_and_unload of the adapter folder with lora_alpha 8 is the
+    fold, bit for bit), and the warning says so, naming them (trial report A4: it said only
+    that lora_alpha was overridden). The exported adapter records the same."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    r = cli("merge", lora_root / "w2-lora-patterns", "-o", tmp_path / "o", "--lora", "both",
+            "--lora-alpha", "8")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0] == (
+        "warning: --lora-alpha 8 overrides the lora_alpha 16 the checkpoint records "
+        "(lora_adapter/adapter_config.json), not its alpha_pattern: 6 modules keep their own "
+        "alpha (up_proj 5 on 3 modules, v_proj 24 on 3 modules); another alpha_pattern takes "
+        "an adapter_config.json given by --lora-config FILE")
+    adapter = tmp_path / "peft8"
+    shutil.copytree(lora_root / "w2-lora-patterns.adapter", adapter)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 8
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        lora_root / "w2-lora-patterns.reference"), adapter).merge_and_unload().state_dict()
+    got = load_file(tmp_path / "o" / "model.safetensors")
+    exact(got, {k: v for k, v in want.items() if k in got})
+    written = json.loads((tmp_path / "o" / "lora_adapter" / "adapter_config.json").read_text())
+    assert written["lora_alpha"] == 8 and written["alpha_pattern"] == {"up_proj": 5, "v_proj": 24}
+    # the same alpha as recorded: nothing overridden, nothing said
+    r = cli("merge", lora_root / "w2-lora-patterns", "-o", tmp_path / "p", "--lora", "fold",
+            "--lora-alpha", "16")
+    assert r.returncode == 0 and "--lora-alpha" not in r.stderr, r.stderr

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the base alone")
     m.add_argument("--lora-adapter", metavar="NAME", help="which adapter, when there are several")
     m.add_argument("--lora-alpha", type=float,
-                   help="the run's lora_alpha, when the checkpoint does not record it")
+                   help="the run's lora_alpha, when the checkpoint does not record it (peft's "
+                        "default alpha: modules an adapter config's alpha_pattern names keep "
+                        "theirs)")
     m.add_argument("--lora-config", metavar="FILE",
                    help="the adapter's own adapter_config.json (or its folder), when it is not "
                         "at lora_adapter/ beside the checkpoint: each module's rank and alpha "
@@ -797,7 +799,7 @@ def cmd_verify(args) -> int:
                       highlight=False)
     errors = [p for p in problems if p.severity == "error"]
     warnings = [p for p in problems if p.severity != "error"]
-    if args.reference:
+    if args.reference and not errors:  # a folder with errors is not ok, whatever its values
         diffs = compare(args.path, args.reference, args.atol, args.rtol)
         if diffs:
             t = Table("tensor", "difference", "detail", title="differences from the reference")
@@ -823,7 +825,8 @@ def cmd_verify(args) -> int:
     if errors:
         console.print(f"[red]not ok[/] {args.path}: {len(errors)} error(s) ("
                       + ", ".join(dict.fromkeys(p.code for p in errors)) + ")"
-                      + (f" and {len(warnings)} warning(s)" if warnings else ""),
+                      + (f" and {len(warnings)} warning(s)" if warnings else "")
+                      + (f"; not compared with {args.reference}" if args.reference else ""),
                       highlight=False)
         return 1
     if warnings:  # the verdict names every problem listed above, never a bare "ok"

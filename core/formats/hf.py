@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo
-from .common import attach_config, problem_for, read_weight_map, stat_file
+from .common import attach_config, contained, problem_for, read_weight_map, stat_file
 from .safetensors_file import read_header
 
 INDEX = "model.safetensors.index.json"
+#: a shard's file name as huggingface_hub's ``split_torch_state_dict_into_shards`` makes it
+SHARD_RE = re.compile(r"model-\d+-of-\d+\.safetensors")
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -30,15 +33,24 @@ def sniff(path: str) -> bool:
 def read(path: str) -> CheckpointLayout:
     """Layout of a Hugging Face folder; every tensor is one piece. Problems: shards named by
     the index but missing (``missing-file``), unreadable headers, keys in two shards
-    (``duplicate-key``), index entries whose shard lacks them (``index-mismatch``)."""
+    (``duplicate-key``), index entries whose shard lacks them and shard files the index does
+    not name (``index-mismatch``; their tensors are in the layout all the same)."""
     root = Path(path)
     layout = CheckpointLayout(format="hf", path=str(root), world_size=1)
     if (root / INDEX).is_file():
         weight_map, shards = read_weight_map(root, INDEX)
     else:
         weight_map, shards = None, ["model.safetensors"]
+    # shard files (huggingface_hub's names) that the index leaves out: their tensors are
+    # read too, so that the problem is the index's (from_pretrained would not load them),
+    # not a tensor "missing" from the folder
+    unnamed = ([] if weight_map is None else
+               sorted(f.name for f in root.iterdir() if SHARD_RE.fullmatch(f.name)
+                      and f.name not in shards and f.is_file()))
+    for name in unnamed:
+        contained(root, name, "a shard file (symbolic link)")
     seen: dict[str, str] = {}
-    for name in shards:
+    for name in shards + unnamed:
         fpath = str(root / name)
         sf = stat_file(fpath)
         layout.files.append(sf)
@@ -52,13 +64,20 @@ def read(path: str) -> CheckpointLayout:
             sf.status = "unreadable"
             layout.problems.append(problem_for(e, fpath))
             continue
+        if name in unnamed:
+            names = [e.name for e in entries]
+            layout.problems.append(Problem("index-mismatch", (
+                f"holds {len(names)} tensor{'s' if len(names) != 1 else ''} ("
+                + ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+                + f"), but {INDEX} does not name this shard: from_pretrained does not load "
+                "it"), fpath))
         for e in entries:
             if e.name in seen:
                 layout.problems.append(Problem("duplicate-key", f"{e.name} is also in "
                                                f"{seen[e.name]}", fpath))
                 continue
             seen[e.name] = name
-            if weight_map is not None and weight_map.get(e.name) != name:
+            if weight_map is not None and weight_map.get(e.name) != name and name not in unnamed:
                 where = weight_map.get(e.name)
                 layout.problems.append(Problem("index-mismatch", f"{e.name} is in {name}, " + (
                     f"the index says {where}" if where is not None
