@@ -392,3 +392,24 @@ def test_config_that_ties_a_separately_trained_lm_head_is_refused(fixtures_root,
     assert r.returncode == 3, r.stderr
     assert "lm_head.weight" in r.stderr and "trained apart" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_rank_file_that_is_a_symlink_loop(fixtures_root, tmp_path):
+    """A rank file that is a symbolic link to itself is an unreadable file of the checkpoint
+    (exit 3, naming it), not an "unexpected error" (pathlib's resolve() raises RuntimeError for
+    a loop on Python < 3.13); an output that is such a link is refused as a usage error."""
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "ck")
+    rank1 = ck / "model_world_size_2_rank_1.pt"
+    rank1.unlink()
+    os.symlink(rank1.name, rank1)
+    for args in (("inspect", ck), ("merge", ck, "-o", tmp_path / "out")):
+        r = run_cli(*args, cwd=ROOT)
+        assert r.returncode == 3, (args, r.stdout, r.stderr)
+        assert "unexpected error" not in r.stderr and rank1.name in r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()
+    loop = tmp_path / "loop"
+    os.symlink(loop.name, loop)
+    good = fixtures_root / "w2-qwen2-f32"
+    for out in (loop, loop / "sub"):
+        r = run_cli("merge", good, "-o", out, cwd=ROOT)
+        assert r.returncode == 2 and "unexpected error" not in r.stderr, (out, r.stderr)
