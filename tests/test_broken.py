@@ -413,3 +413,46 @@ def test_rank_file_that_is_a_symlink_loop(fixtures_root, tmp_path):
     for out in (loop, loop / "sub"):
         r = run_cli("merge", good, "-o", out, cwd=ROOT)
         assert r.returncode == 2 and "unexpected error" not in r.stderr, (out, r.stderr)
+
+
+@pytest.mark.xfail(strict=True, reason="breaker D2: HSDP replicas are compared only when a rank "
+                   "file is missing; with every file present a contradicting replica is unseen")
+def test_hsdp_rank_file_of_another_run_with_every_rank_present(fixtures_root, tmp_path):
+    """HSDP (ddp=2 x fsdp=2), all four rank files present, rank 0's values changed as another
+    run of the same model would have them (same layout, same pickle, other bytes). Rank 2
+    holds the true copy of rank 0's shards: the contradiction is on disk, so the checkpoint
+    must not merge as if sound (the merge takes rank 0's bytes and says nothing)."""
+    import torch
+
+    ck = copy_checkpoint(fixtures_root / "w4-hsdp", tmp_path / "ck")
+    f = ck / "model_world_size_4_rank_0.pt"
+    state = torch.load(f, weights_only=False)  # a real fixture, written by the tests
+    for v in state.values():
+        if hasattr(v, "_local_tensor"):
+            v._local_tensor.add_(1.0)
+    torch.save(state, f)
+    assert any(p.code == "replica-mismatch" for p in detect(ck).problems)
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="breaker D5: the pieces of one tensor in DCP's per-rank "
+                   "safetensors may disagree on the dtype; the odd piece is cast silently")
+def test_dcp_safetensors_piece_of_another_dtype(fixtures_root, tmp_path):
+    """w3-dcp-hf is BF16; rank 1's file says its piece of lm_head.weight is F16 (same size, so
+    the offsets still fit). The merge casts that piece to BF16 and writes a tensor no rank
+    trained; it should refuse, naming the file and the two dtypes."""
+    import struct
+
+    ck = copy_checkpoint(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
+    f = ck / "shard-00002-model-00001-of-00001.safetensors"
+    b = f.read_bytes()
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    assert header["lm_head.weight"]["dtype"] == "BF16"
+    header["lm_head.weight"]["dtype"] = "F16"
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    f.write_bytes(struct.pack("<Q", len(h)) + h + b[8 + n:])
+    assert any(p.severity == "error" and Path(p.path).name == f.name
+               for p in detect(ck).problems), detect(ck).problems
