@@ -90,10 +90,23 @@ def config_files(folder: str | os.PathLike) -> list[tuple[str, str]]:
     config, generation config, tokenizer files and custom modelling code, never weights.
     Returns (source path, relative name) pairs, sorted. Raises BadCheckpointError for a file
     (a symbolic link) that resolves outside ``folder`` (see :func:`contained`)."""
+    from ..errors import BadCheckpointError
+
     folder = Path(folder)
     out = []
     for p in sorted(folder.rglob("*")):
-        if not p.is_file() or p.name.startswith("."):
+        if p.name.startswith("."):
+            continue
+        if p.is_symlink() and not p.exists():
+            # e.g. a hub cache snapshot whose blob never finished downloading: copying the
+            # rest would give a folder without it, said to be complete
+            raise BadCheckpointError(f"a symbolic link to nothing ({os.readlink(p)}): the "
+                                     "merged folder would lack this file; an incomplete "
+                                     "download?", str(p), code="missing-file")
+        if not p.is_file():
+            if p.exists() and not p.is_dir():
+                raise BadCheckpointError("not a regular file (a pipe, socket or device): "
+                                         "refusing to read it", str(p), code="unreadable-file")
             continue
         if p.name.endswith(WEIGHT_SUFFIXES) or p.name in WEIGHT_NAMES:
             continue
