@@ -436,12 +436,10 @@ def test_hsdp_rank_file_of_another_run_with_every_rank_present(fixtures_root, tm
     assert r.returncode == 3 and not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="breaker D5: the pieces of one tensor in DCP's per-rank "
-                   "safetensors may disagree on the dtype; the odd piece is cast silently")
 def test_dcp_safetensors_piece_of_another_dtype(fixtures_root, tmp_path):
     """w3-dcp-hf is BF16; rank 1's file says its piece of lm_head.weight is F16 (same size, so
-    the offsets still fit). The merge casts that piece to BF16 and writes a tensor no rank
-    trained; it should refuse, naming the file and the two dtypes."""
+    the offsets still fit). The merge cast that piece to BF16 and wrote a tensor no rank
+    trained; it refuses, naming the file and the two dtypes."""
     import struct
 
     ck = copy_checkpoint(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
@@ -454,5 +452,8 @@ def test_dcp_safetensors_piece_of_another_dtype(fixtures_root, tmp_path):
     h = json.dumps(header).encode()
     h += b" " * (-len(h) % 8)
     f.write_bytes(struct.pack("<Q", len(h)) + h + b[8 + n:])
-    assert any(p.severity == "error" and Path(p.path).name == f.name
-               for p in detect(ck).problems), detect(ck).problems
+    assert [(p.code, Path(p.path).name) for p in detect(ck).errors] == [
+        ("rank-disagreement", f.name)], detect(ck).problems
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3 and "F16 here, BF16 in" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
