@@ -28,7 +28,7 @@ ADAPTER_DIR = "lora_adapter"
 STRICT_ONLY = frozenset({"frozen-excluded", "config-mismatch"})
 
 #: problems only ``--deep`` finds (core/deep.py): a refusal points to ``inspect --deep``
-DEEP_CODES = frozenset({"checksum-mismatch", "nan-inf", "no-checksum"})
+DEEP_CODES = frozenset({"checksum-mismatch", "nan-inf", "no-checksum", "replica-mismatch"})
 
 #: names of an output layer that ties to the input embedding (transformers' convention)
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)

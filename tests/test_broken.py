@@ -415,13 +415,10 @@ def test_rank_file_that_is_a_symlink_loop(fixtures_root, tmp_path):
         assert r.returncode == 2 and "unexpected error" not in r.stderr, (out, r.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason="breaker D2: HSDP replicas are compared only when a rank "
-                   "file is missing; with every file present a contradicting replica is unseen")
-def test_hsdp_rank_file_of_another_run_with_every_rank_present(fixtures_root, tmp_path):
-    """HSDP (ddp=2 x fsdp=2), all four rank files present, rank 0's values changed as another
-    run of the same model would have them (same layout, same pickle, other bytes). Rank 2
-    holds the true copy of rank 0's shards: the contradiction is on disk, so the checkpoint
-    must not merge as if sound (the merge takes rank 0's bytes and says nothing)."""
+def _hsdp_rank0_of_another_run(fixtures_root, tmp_path):
+    """w4-hsdp (ddp=2 x fsdp=2), all four rank files present, rank 0's values changed as another
+    run of the same model would have them (same layout, same pickle, other bytes). Rank 2 holds
+    the true copy of rank 0's shards: the contradiction is on disk."""
     import torch
 
     ck = copy_checkpoint(fixtures_root / "w4-hsdp", tmp_path / "ck")
@@ -431,9 +428,28 @@ def test_hsdp_rank_file_of_another_run_with_every_rank_present(fixtures_root, tm
         if hasattr(v, "_local_tensor"):
             v._local_tensor.add_(1.0)
     torch.save(state, f)
+    return ck
+
+
+def test_hsdp_rank_file_of_another_run_found_by_deep(fixtures_root, tmp_path):
+    """--deep compares every replica copy (it read only the copies the merge takes, so the
+    checkpoint above passed `inspect --deep` and `merge --deep`)."""
+    ck = _hsdp_rank0_of_another_run(fixtures_root, tmp_path)
+    r = run_cli("inspect", "--deep", ck, cwd=ROOT)
+    assert r.returncode == 3 and "replica-mismatch" in r.stdout, r.stdout
+    assert "model_world_size_4_rank_2.pt" in r.stdout and "rank_0.pt" in r.stdout
+    r = run_cli("merge", "--deep", ck, "-o", tmp_path / "out", cwd=ROOT)
+    assert r.returncode == 3 and "replicas that should hold the same bytes" in r.stderr, r.stderr
+    assert "inspect --deep" in r.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="breaker D2: without --deep, HSDP replicas are compared "
+                   "only when a rank file is missing (a cheap check: equal CRC-32 of replica "
+                   "records in the zip directories)")
+def test_hsdp_rank_file_of_another_run_with_every_rank_present(fixtures_root, tmp_path):
+    """The plain merge takes rank 0's bytes and says nothing."""
+    ck = _hsdp_rank0_of_another_run(fixtures_root, tmp_path)
     assert any(p.code == "replica-mismatch" for p in detect(ck).problems)
-    r = merge_cli(ck, tmp_path / "out")
-    assert r.returncode == 3 and not (tmp_path / "out").exists()
 
 
 def test_dcp_safetensors_piece_of_another_dtype(fixtures_root, tmp_path):
