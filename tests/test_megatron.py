@@ -468,14 +468,16 @@ def test_bf16_model_keeps_each_dtype(megatron_root, tmp_path, kind):
         assert torch.equal(out[k], v.to(torch.bfloat16)), k
 
 
-@pytest.mark.xfail(strict=True, reason="breaker D3: a legacy TP rank file copied under another "
-                   "TP rank's folder merges into wrong weights with no problem reported")
 def test_tp_rank_file_copied_under_another_tp_rank(megatron_root, tmp_path):
     """mp_rank_01_000 (TP rank 1 of stage 0) replaced by a copy of mp_rank_00_000: every TP-split
     tensor of the stage then has byte-identical slices on both TP ranks (same CRC-32 in both
-    zip directories), which two TP ranks of one run never hold."""
+    zip directories), which two TP ranks of one run never hold. It merged into wrong weights
+    with no problem reported."""
     ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp2" / "legacy", tmp_path / "ck")
     it = ck / "iter_0000010"
     shutil.copy(it / "mp_rank_00_000" / "model_optim_rng.pt",
                 it / "mp_rank_01_000" / "model_optim_rng.pt")
-    assert any(p.severity == "error" for p in detect(ck).problems)
+    bad = [(p.code, Path(p.path).parent.name) for p in detect(ck).errors]
+    assert bad == [("duplicate-rank", "mp_rank_01_000")], bad
+    r = merge_cli(ck, tmp_path / "out", "--hf-config", str(megatron_root / "llama" / "reference"))
+    assert r.returncode == 3 and "mp_rank_00_000" in r.stderr and not (tmp_path / "out").exists()

@@ -173,6 +173,7 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
         return layout
     tp, pp, ep, vpp, files = grid
     _check_consistency(files, pp, vpp, layout)
+    _duplicate_tp_files(files, tp, layout)
     if layout.errors:
         return layout
     dp = mg.data_parallel(args, tp, pp)
@@ -269,6 +270,36 @@ ARGS_SAME = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
              "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "num_layers",
              "hidden_size", "num_attention_heads", "num_query_groups", "swiglu",
              "padded_vocab_size", "num_experts", "untie_embeddings_and_output_weights")
+
+
+def _duplicate_tp_files(files, tp: int, layout: CheckpointLayout) -> None:
+    """``duplicate-rank`` for a file whose tensor data is byte for byte another TP rank's of
+    the same stage (every storage record of the same CRC-32 and size in the two zip
+    directories, read without the data): TP ranks hold different slices of every split
+    tensor, so such a file is a copy under another rank's folder, whose slices are missing."""
+    import zipfile
+
+    if tp < 2:
+        return
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for (t, s, e), (f, _) in files.items():
+        try:
+            with zipfile.ZipFile(f) as z:
+                records = tuple((i.CRC, i.file_size) for i in z.infolist()
+                                if "/data/" in i.filename)
+        except (OSError, zipfile.BadZipFile):
+            continue
+        if records:
+            groups.setdefault((s, e, records), []).append((t, f))
+    for group in groups.values():
+        group.sort()
+        t0, f0 = group[0]
+        for t1, f1 in group[1:]:
+            layout.problems.append(Problem(
+                "duplicate-rank", f"holds the same tensor bytes as TP rank {t0}'s file "
+                f"({Path(f0).parent.name}/{Path(f0).name}): TP ranks hold different slices; a "
+                f"copy of that file under TP rank {t1}'s folder? TP rank {t1}'s slices are "
+                "missing", f1))
 
 
 def _tensor_keys(sd: dict) -> set[str]:
