@@ -108,10 +108,32 @@ def test_optimizer_file_copied_under_another_rank_refused(ds_root, tmp_path, nam
         (d / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes())
     layout = detect(ck)
     assert [(p.code, Path(p.path).name) for p in layout.errors] == [
-        ("rank-disagreement", "zero_pp_rank_1_mp_rank_00_optim_states.pt")], layout.problems
+        ("duplicate-rank", "zero_pp_rank_1_mp_rank_00_optim_states.pt")], layout.problems
     r = run_cli("merge", ck, "-o", tmp_path / "out", cwd=ROOT)
-    assert r.returncode == 3 and "param_slice_mappings" in r.stderr, r.stderr
+    assert r.returncode == 3 and "rank 0's optimizer file" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+    # a file that is not a byte copy but names rank 0's fragments: param_slice_mappings tell
+    from shardscope.core.formats import deepspeed
+
+    real = deepspeed.same_data_groups
+    try:
+        deepspeed.same_data_groups = lambda files: []
+        errors = [(p.code, Path(p.path).name, "param_slice_mappings" in p.message)
+                  for p in detect(ck).errors]
+    finally:
+        deepspeed.same_data_groups = real
+    assert errors == [("rank-disagreement", "zero_pp_rank_1_mp_rank_00_optim_states.pt", True)]
+
+
+def test_zero3_optimizer_file_copied_under_another_rank_refused(ds_root, tmp_path):
+    """ZeRO-3 optimizer files record nothing about their rank; a byte copy still shows in the
+    zip directories (every storage record of the same CRC-32)."""
+    ck = copy_checkpoint(ds_root / "ds-z3-w3-tied", tmp_path / "ck")
+    d = ck / "global_step0"
+    (d / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(
+        (d / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes())
+    assert [(p.code, Path(p.path).name) for p in detect(ck).errors] == [
+        ("duplicate-rank", "zero_pp_rank_2_mp_rank_00_optim_states.pt")]
 
 
 def test_optimizer_file_of_another_zero_stage_refused(ds_root, tmp_path):

@@ -189,3 +189,24 @@ def corrupt_is_bad(what: str, where=None):
                                          str(where(path) if where else path)) from None
         return guarded
     return wrap
+
+
+def same_data_groups(files: dict) -> list[list]:
+    """Groups (two or more, keys sorted) of the ``key -> torch.save file`` of ``files`` whose
+    tensor data is byte for byte the same: every storage record (``<archive>/data/<n>``) of
+    equal CRC-32 and size in the zip directories, read without the data. Two ranks' files of
+    one save that each hold their own slices never agree on all of them: a group is a file
+    copied under another rank's name. Files that cannot be read as zips are left out."""
+    import zipfile
+
+    by_records: dict[tuple, list] = {}
+    for key, f in files.items():
+        try:
+            with zipfile.ZipFile(f) as z:
+                records = tuple((i.CRC, i.file_size) for i in z.infolist()
+                                if "/data/" in i.filename)
+        except (OSError, zipfile.BadZipFile):
+            continue
+        if records:
+            by_records.setdefault(records, []).append(key)
+    return [sorted(g) for g in by_records.values() if len(g) > 1]

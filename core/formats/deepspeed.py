@@ -35,7 +35,7 @@ from pathlib import Path
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
 from ..phases import phase, progressed
-from .common import attach_config, contained, problem_for, stat_file
+from .common import attach_config, contained, problem_for, same_data_groups, stat_file
 from .torchsave import Record, TensorRef, read_torch_archive
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -320,6 +320,15 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
             except BadCheckpointError as e:
                 sf.status = "unreadable"
                 layout.problems.append(problem_for(e, fpath))
+    for st in stages:  # a rank's optimizer file copied under another rank's name
+        read_ok = {r: st["optim"][r] for r in st["groups"]}
+        for group in same_data_groups(read_ok):
+            for r in group[1:]:
+                layout.problems.append(Problem(
+                    "duplicate-rank", f"holds the same tensor bytes as rank {group[0]}'s "
+                    f"optimizer file ({Path(read_ok[group[0]]).name}): every rank's partition "
+                    f"differs; a copy of that file under rank {r}'s name? rank {r}'s partition "
+                    "is missing", read_ok[r]))
     if stage is None:
         stage = _zero_stage(None, model_states) or (3 if model3 else 1)
     if stage >= 3:  # every dp rank's model states hold its fragments of the frozen parameters
@@ -751,7 +760,10 @@ def _stage2(layout, world, param_shapes, groups_by_rank, optim, slices=None) -> 
                 pos += take
             layout.tensors[name] = t
             offset += n
+        flagged = {p.path for p in layout.errors}
         for r in range(world):
+            if optim[r] in flagged:  # already refused (e.g. duplicate-rank): one reason each
+                continue
             said = _fragments((slices or {}).get(r), g)
             if said is None or not said.keys() & set(shapes):
                 continue  # not saved, or names of another kind: nothing to compare

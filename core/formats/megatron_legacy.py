@@ -21,7 +21,7 @@ from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
 from ..phases import phase, progressed
-from .common import contained, corrupt_is_bad, problem_for, stat_file
+from .common import contained, corrupt_is_bad, problem_for, same_data_groups, stat_file
 from .torchsave import TensorRef, read_torch_archive
 
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -277,22 +277,13 @@ def _duplicate_tp_files(files, tp: int, layout: CheckpointLayout) -> None:
     the same stage (every storage record of the same CRC-32 and size in the two zip
     directories, read without the data): TP ranks hold different slices of every split
     tensor, so such a file is a copy under another rank's folder, whose slices are missing."""
-    import zipfile
-
     if tp < 2:
         return
-    groups: dict[tuple, list[tuple[int, str]]] = {}
-    for (t, s, e), (f, _) in files.items():
-        try:
-            with zipfile.ZipFile(f) as z:
-                records = tuple((i.CRC, i.file_size) for i in z.infolist()
-                                if "/data/" in i.filename)
-        except (OSError, zipfile.BadZipFile):
-            continue
-        if records:
-            groups.setdefault((s, e, records), []).append((t, f))
-    for group in groups.values():
-        group.sort()
+    groups = []
+    for s, e in sorted({(s, e) for (_, s, e) in files}, key=str):
+        stage = {t: f for (t, s2, e2), (f, _) in files.items() if (s2, e2) == (s, e)}
+        groups += [[(t, stage[t]) for t in g] for g in same_data_groups(stage)]
+    for group in groups:
         t0, f0 = group[0]
         for t1, f1 in group[1:]:
             layout.problems.append(Problem(
