@@ -481,3 +481,14 @@ def test_tp_rank_file_copied_under_another_tp_rank(megatron_root, tmp_path):
     assert bad == [("duplicate-rank", "mp_rank_01_000")], bad
     r = merge_cli(ck, tmp_path / "out", "--hf-config", str(megatron_root / "llama" / "reference"))
     assert r.returncode == 3 and "mp_rank_00_000" in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_expert_rank_file_copied_under_another_expert_rank(megatron_root, tmp_path):
+    """EP ranks repeat the dense weights but hold different experts: a byte copy of EP rank 0's
+    file under EP rank 1's folder merged with EP rank 0's experts twice (24 tensors wrong)."""
+    ck = copy_checkpoint(megatron_root / "mixtral" / "tp1_pp1_ep2" / "legacy", tmp_path / "ck")
+    it = ck / "iter_0000010"
+    shutil.copy(it / "mp_rank_00_000" / "model_optim_rng.pt",
+                it / "mp_rank_00_001" / "model_optim_rng.pt")
+    bad = [(p.code, Path(p.path).parent.name) for p in detect(ck).errors]
+    assert bad == [("duplicate-rank", "mp_rank_00_001")], bad

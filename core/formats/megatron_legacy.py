@@ -173,7 +173,7 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
         return layout
     tp, pp, ep, vpp, files = grid
     _check_consistency(files, pp, vpp, layout)
-    _duplicate_tp_files(files, tp, layout)
+    _duplicate_rank_files(files, layout)
     if layout.errors:
         return layout
     dp = mg.data_parallel(args, tp, pp)
@@ -272,25 +272,24 @@ ARGS_SAME = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
              "padded_vocab_size", "num_experts", "untie_embeddings_and_output_weights")
 
 
-def _duplicate_tp_files(files, tp: int, layout: CheckpointLayout) -> None:
-    """``duplicate-rank`` for a file whose tensor data is byte for byte another TP rank's of
-    the same stage (every storage record of the same CRC-32 and size in the two zip
-    directories, read without the data): TP ranks hold different slices of every split
-    tensor, so such a file is a copy under another rank's folder, whose slices are missing."""
-    if tp < 2:
-        return
+def _duplicate_rank_files(files, layout: CheckpointLayout) -> None:
+    """``duplicate-rank`` for a file whose tensor data is byte for byte another rank's of the
+    same pipeline stage (every storage record of the same CRC-32 and size in the two zip
+    directories, read without the data): TP ranks hold different slices of every split tensor
+    and EP ranks different experts, so such a file is a copy under another rank's folder,
+    whose own tensors are missing."""
     groups = []
-    for s, e in sorted({(s, e) for (_, s, e) in files}, key=str):
-        stage = {t: f for (t, s2, e2), (f, _) in files.items() if (s2, e2) == (s, e)}
-        groups += [[(t, stage[t]) for t in g] for g in same_data_groups(stage)]
+    for s in sorted({s for (_, s, _) in files}, key=str):
+        stage = {(t, e): f for (t, s2, e), (f, _) in files.items() if s2 == s}
+        groups += [[(k, stage[k]) for k in g] for g in same_data_groups(stage)]
     for group in groups:
-        t0, f0 = group[0]
-        for t1, f1 in group[1:]:
+        _, f0 = group[0]
+        for _, f1 in group[1:]:
             layout.problems.append(Problem(
-                "duplicate-rank", f"holds the same tensor bytes as TP rank {t0}'s file "
-                f"({Path(f0).parent.name}/{Path(f0).name}): TP ranks hold different slices; a "
-                f"copy of that file under TP rank {t1}'s folder? TP rank {t1}'s slices are "
-                "missing", f1))
+                "duplicate-rank", f"holds the same tensor bytes as "
+                f"{Path(f0).parent.name}/{Path(f0).name}: the tensor- and expert-parallel ranks "
+                f"of a stage hold different slices; a copy of that file under "
+                f"{Path(f1).parent.name}? Its own rank's tensors are missing", f1))
 
 
 def _tensor_keys(sd: dict) -> set[str]:
