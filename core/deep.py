@@ -111,6 +111,31 @@ def _check_crc(path: str, base: int, length: int, owners=None) -> list[Problem]:
     return out
 
 
+def _replica_problems(layout: CheckpointLayout, bad_files: set) -> list[Problem]:
+    """``replica-mismatch`` for copies of one place that differ in their bytes (HSDP replicas,
+    replicated buffers: the merge takes the first copy, so a replica rank file of another run
+    or a damaged one would otherwise go unseen while every rank file is present). One problem
+    per file holding differing copies, naming the tensors."""
+    from pathlib import Path
+
+    copies = [c for c in getattr(layout, "replica_copies", None) or ()
+              if c[1].file not in bad_files and c[2].file not in bad_files]
+    if not copies:
+        return []
+    from .formats.fsdp import _disagreeing_copies
+
+    bad = set(_disagreeing_copies(copies))
+    by_file: dict[tuple[str, str], list[str]] = {}
+    for name, kept, other in copies:
+        if name in bad and name not in by_file.get((kept.file, other.file), []):
+            by_file.setdefault((kept.file, other.file), []).append(name)
+    return [Problem("replica-mismatch", f"{len(names)} tensor(s) differ between this file "
+                    f"and {Path(kept).name}, replicas that should hold the same bytes (one of "
+                    f"the two is damaged or from another run): {', '.join(names[:3])}"
+                    f"{', ...' if len(names) > 3 else ''}", other)
+            for (kept, other), names in by_file.items()]
+
+
 def deep_check(layout: CheckpointLayout,
                on_progress: Callable[[DeepProgress], None] | None = None,
                cancel: threading.Event | None = None) -> list[Problem]:
@@ -135,6 +160,7 @@ def deep_check(layout: CheckpointLayout,
         if on_progress:
             on_progress(DeepProgress(done, total, path))
     bad_files = {p.path for p in problems}
+    problems.extend(_replica_problems(layout, bad_files))
     for name, t in layout.tensors.items():
         if cancel is not None and cancel.is_set():
             raise MergeCancelled("cancelled")

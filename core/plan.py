@@ -28,7 +28,7 @@ ADAPTER_DIR = "lora_adapter"
 STRICT_ONLY = frozenset({"frozen-excluded", "config-mismatch"})
 
 #: problems only ``--deep`` finds (core/deep.py): a refusal points to ``inspect --deep``
-DEEP_CODES = frozenset({"checksum-mismatch", "nan-inf", "no-checksum"})
+DEEP_CODES = frozenset({"checksum-mismatch", "nan-inf", "no-checksum", "replica-mismatch"})
 
 #: names of an output layer that ties to the input embedding (transformers' convention)
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
@@ -232,6 +232,9 @@ def check_output(out: Path, overwrite: bool, source: str | None = None) -> None:
     file, is or contains the ``source`` checkpoint, or lies inside it, or when ``overwrite``
     would replace a non-empty folder that does not look like a model folder;
     :class:`OutputExistsError` when ``out`` exists and ``overwrite`` is off."""
+    if out.is_symlink() and not out.exists():
+        raise UsageError("is a symbolic link that leads nowhere (a missing target or a loop)",
+                         str(out))
     if out.exists() and not out.is_dir():
         raise UsageError("exists and is not a folder", str(out))
     for parent in out.absolute().parents:  # the folder cannot be made under a file
@@ -241,7 +244,7 @@ def check_output(out: Path, overwrite: bool, source: str | None = None) -> None:
                                  "folder", str(out))
             break
     if source is not None:
-        src, dst = Path(source).resolve(), out.resolve()
+        src, dst = Path(os.path.realpath(source)), Path(os.path.realpath(out))
         if dst == src or dst in src.parents:
             raise UsageError("the output would contain the checkpoint being merged; choose "
                              "another folder", str(out))
@@ -284,7 +287,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     native = NATIVE in layout.details or any(p.code == "native-names-no-config"
                                              for p in layout.problems)
     if ((layout.format.startswith("megatron") or native) and options.hf_config
-            and Path(layout.config_dir or "").resolve() != Path(options.hf_config).resolve()):
+            and os.path.realpath(layout.config_dir or "") != os.path.realpath(options.hf_config)):
         from .formats import detect  # the cut into Hugging Face tensors depends on the config
 
         layout = detect(layout.path, hf_config=options.hf_config)

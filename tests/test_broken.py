@@ -392,3 +392,84 @@ def test_config_that_ties_a_separately_trained_lm_head_is_refused(fixtures_root,
     assert r.returncode == 3, r.stderr
     assert "lm_head.weight" in r.stderr and "trained apart" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_rank_file_that_is_a_symlink_loop(fixtures_root, tmp_path):
+    """A rank file that is a symbolic link to itself is an unreadable file of the checkpoint
+    (exit 3, naming it), not an "unexpected error" (pathlib's resolve() raises RuntimeError for
+    a loop on Python < 3.13); an output that is such a link is refused as a usage error."""
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "ck")
+    rank1 = ck / "model_world_size_2_rank_1.pt"
+    rank1.unlink()
+    os.symlink(rank1.name, rank1)
+    for args in (("inspect", ck), ("merge", ck, "-o", tmp_path / "out")):
+        r = run_cli(*args, cwd=ROOT)
+        assert r.returncode == 3, (args, r.stdout, r.stderr)
+        assert "unexpected error" not in r.stderr and rank1.name in r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()
+    loop = tmp_path / "loop"
+    os.symlink(loop.name, loop)
+    good = fixtures_root / "w2-qwen2-f32"
+    for out in (loop, loop / "sub"):
+        r = run_cli("merge", good, "-o", out, cwd=ROOT)
+        assert r.returncode == 2 and "unexpected error" not in r.stderr, (out, r.stderr)
+
+
+def _hsdp_rank0_of_another_run(fixtures_root, tmp_path):
+    """w4-hsdp (ddp=2 x fsdp=2), all four rank files present, rank 0's values changed as another
+    run of the same model would have them (same layout, same pickle, other bytes). Rank 2 holds
+    the true copy of rank 0's shards: the contradiction is on disk."""
+    import torch
+
+    ck = copy_checkpoint(fixtures_root / "w4-hsdp", tmp_path / "ck")
+    f = ck / "model_world_size_4_rank_0.pt"
+    state = torch.load(f, weights_only=False)  # a real fixture, written by the tests
+    for v in state.values():
+        if hasattr(v, "_local_tensor"):
+            v._local_tensor.add_(1.0)
+    torch.save(state, f)
+    return ck
+
+
+def test_hsdp_rank_file_of_another_run_found_by_deep(fixtures_root, tmp_path):
+    """--deep compares every replica copy (it read only the copies the merge takes, so the
+    checkpoint above passed `inspect --deep` and `merge --deep`)."""
+    ck = _hsdp_rank0_of_another_run(fixtures_root, tmp_path)
+    r = run_cli("inspect", "--deep", ck, cwd=ROOT)
+    assert r.returncode == 3 and "replica-mismatch" in r.stdout, r.stdout
+    assert "model_world_size_4_rank_2.pt" in r.stdout and "rank_0.pt" in r.stdout
+    r = run_cli("merge", "--deep", ck, "-o", tmp_path / "out", cwd=ROOT)
+    assert r.returncode == 3 and "replicas that should hold the same bytes" in r.stderr, r.stderr
+    assert "inspect --deep" in r.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="breaker D2: without --deep, HSDP replicas are compared "
+                   "only when a rank file is missing (a cheap check: equal CRC-32 of replica "
+                   "records in the zip directories)")
+def test_hsdp_rank_file_of_another_run_with_every_rank_present(fixtures_root, tmp_path):
+    """The plain merge takes rank 0's bytes and says nothing."""
+    ck = _hsdp_rank0_of_another_run(fixtures_root, tmp_path)
+    assert any(p.code == "replica-mismatch" for p in detect(ck).problems)
+
+
+def test_dcp_safetensors_piece_of_another_dtype(fixtures_root, tmp_path):
+    """w3-dcp-hf is BF16; rank 1's file says its piece of lm_head.weight is F16 (same size, so
+    the offsets still fit). The merge cast that piece to BF16 and wrote a tensor no rank
+    trained; it refuses, naming the file and the two dtypes."""
+    import struct
+
+    ck = copy_checkpoint(fixtures_root / "w3-dcp-hf", tmp_path / "ck")
+    f = ck / "shard-00002-model-00001-of-00001.safetensors"
+    b = f.read_bytes()
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    assert header["lm_head.weight"]["dtype"] == "BF16"
+    header["lm_head.weight"]["dtype"] = "F16"
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    f.write_bytes(struct.pack("<Q", len(h)) + h + b[8 + n:])
+    assert [(p.code, Path(p.path).name) for p in detect(ck).errors] == [
+        ("rank-disagreement", f.name)], detect(ck).problems
+    r = merge_cli(ck, tmp_path / "out")
+    assert r.returncode == 3 and "F16 here, BF16 in" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

@@ -96,3 +96,18 @@ def test_deepspeed_import_does_not_leak_into_json(fixtures_root):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["format"] == "fsdp"
     assert "accelerator" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("command", ["verify", "diff"])
+@pytest.mark.parametrize("flag,value", [("--atol", "-1"), ("--rtol", "-0.5"), ("--atol", "nan"),
+                                        ("--rtol", "inf")])
+def test_tolerance_that_is_negative_or_not_finite_is_a_usage_error(fixtures_root, capsys,
+                                                                   command, flag, value):
+    """verify gave "unexpected error (RuntimeError: rtol must be greater than or equal to zero)"
+    exit 1 (torch.isclose's own check); diff took nan."""
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    args = [command, str(ref)] + (["--reference", str(ref)] if command == "verify" else
+                                  [str(ref)])
+    assert main(args + [flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "unexpected" not in err, err

@@ -97,6 +97,55 @@ def test_missing_optimizer_file(ds_root, tmp_path):
     assert r.returncode == 3 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["ds-z1-w2", "ds-z2-w2"])
+def test_optimizer_file_copied_under_another_rank_refused(ds_root, tmp_path, name):
+    """Rank 1's optimizer file replaced by a copy of rank 0's: every flat partition is the same
+    size, so only the file's own param_slice_mappings (which parameter fragments it holds)
+    tell; merging it anyway writes rank 0's slices in rank 1's place."""
+    ck = copy_checkpoint(ds_root / name, tmp_path / "ck")
+    d = ck / "global_step0"
+    (d / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(
+        (d / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes())
+    layout = detect(ck)
+    assert [(p.code, Path(p.path).name) for p in layout.errors] == [
+        ("duplicate-rank", "zero_pp_rank_1_mp_rank_00_optim_states.pt")], layout.problems
+    r = run_cli("merge", ck, "-o", tmp_path / "out", cwd=ROOT)
+    assert r.returncode == 3 and "rank 0's optimizer file" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    # a file that is not a byte copy but names rank 0's fragments: param_slice_mappings tell
+    from shardscope.core.formats import deepspeed
+
+    real = deepspeed.same_data_groups
+    try:
+        deepspeed.same_data_groups = lambda files: []
+        errors = [(p.code, Path(p.path).name, "param_slice_mappings" in p.message)
+                  for p in detect(ck).errors]
+    finally:
+        deepspeed.same_data_groups = real
+    assert errors == [("rank-disagreement", "zero_pp_rank_1_mp_rank_00_optim_states.pt", True)]
+
+
+def test_zero3_optimizer_file_copied_under_another_rank_refused(ds_root, tmp_path):
+    """ZeRO-3 optimizer files record nothing about their rank; a byte copy still shows in the
+    zip directories (every storage record of the same CRC-32)."""
+    ck = copy_checkpoint(ds_root / "ds-z3-w3-tied", tmp_path / "ck")
+    d = ck / "global_step0"
+    (d / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(
+        (d / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes())
+    assert [(p.code, Path(p.path).name) for p in detect(ck).errors] == [
+        ("duplicate-rank", "zero_pp_rank_2_mp_rank_00_optim_states.pt")]
+
+
+def test_optimizer_file_of_another_zero_stage_refused(ds_root, tmp_path):
+    """A ZeRO-1 run's rank-1 optimizer file among a ZeRO-2 run's files (same model, same
+    partition sizes): the files disagree on the stage."""
+    ck = copy_checkpoint(ds_root / "ds-z2-w2", tmp_path / "ck")
+    f = "global_step0/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (ck / f).write_bytes((ds_root / "ds-z1-w2" / f).read_bytes())
+    codes = [(p.code, Path(p.path).name) for p in detect(ck).errors]
+    assert ("rank-disagreement", Path(f).name) in codes
+
+
 def test_module_weights_and_tag(ds_root, tmp_path):
     """--weights module: the bf16 weights as trained (stage 2), same as the master rounded."""
     src = ds_root / "ds-z2-w3-bf16"

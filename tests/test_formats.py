@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_checkpoint
+from conftest import ROOT, copy_checkpoint, run_cli
 from shardscope.core import BadCheckpointError, MergeOptions, detect, plan_merge, run_merge
 from test_cli import run
 
@@ -257,6 +257,33 @@ def test_hf_config_folder_link_outside_is_refused(fixtures_root, tmp_path):
         plan_merge(detect(fixtures_root / "w2-dcp"),
                    MergeOptions(output=str(tmp_path / "out"), hf_config=str(cfg), workers=1))
     assert e.value.code == "path-outside-checkpoint" and "tokenizer.json" in e.value.message
+
+
+def test_dangling_link_in_config_folder_is_refused_not_dropped(fixtures_root, tmp_path):
+    """A file of huggingface/ (or of --hf-config) that is a link to nothing - a hub cache
+    snapshot whose blob never finished downloading - was skipped: the merge said "wrote", verify
+    said "ok", and the folder had no tokenizer.json. It is refused, naming the file."""
+    d = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "actor")
+    (d / "huggingface" / "tokenizer.json").unlink()
+    os.symlink("../blobs/not-downloaded", d / "huggingface" / "tokenizer.json")
+    r = run_cli("merge", d, "-o", tmp_path / "out", cwd=ROOT)
+    assert r.returncode == 3 and "tokenizer.json" in r.stderr and "nothing" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    cfg = copy_checkpoint(fixtures_root / "w2-dcp.reference", tmp_path / "cfg")
+    (cfg / "tokenizer.json").unlink()
+    os.symlink(tmp_path / "gone.json", cfg / "tokenizer.json")
+    with pytest.raises(BadCheckpointError) as e:
+        plan_merge(detect(fixtures_root / "w2-dcp"),
+                   MergeOptions(output=str(tmp_path / "out"), hf_config=str(cfg), workers=1))
+    assert e.value.code == "missing-file" and "tokenizer.json" in str(e.value.path)
+
+
+def test_pipe_in_config_folder_is_refused(fixtures_root, tmp_path):
+    d = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "actor")
+    (d / "huggingface" / "tokenizer.json").unlink()
+    os.mkfifo(d / "huggingface" / "tokenizer.json")
+    r = run_cli("merge", d, "-o", tmp_path / "out", cwd=ROOT)
+    assert r.returncode == 3 and "not a regular file" in r.stderr, r.stderr
 
 
 def test_hub_cache_snapshot_links_into_its_blobs_are_fine(fixtures_root, tmp_path):

@@ -466,3 +466,29 @@ def test_bf16_model_keeps_each_dtype(megatron_root, tmp_path, kind):
     assert {t.dtype for t in out.values()} == {torch.bfloat16}
     for k, v in ref.items():
         assert torch.equal(out[k], v.to(torch.bfloat16)), k
+
+
+def test_tp_rank_file_copied_under_another_tp_rank(megatron_root, tmp_path):
+    """mp_rank_01_000 (TP rank 1 of stage 0) replaced by a copy of mp_rank_00_000: every TP-split
+    tensor of the stage then has byte-identical slices on both TP ranks (same CRC-32 in both
+    zip directories), which two TP ranks of one run never hold. It merged into wrong weights
+    with no problem reported."""
+    ck = copy_checkpoint(megatron_root / "llama" / "tp2_pp2" / "legacy", tmp_path / "ck")
+    it = ck / "iter_0000010"
+    shutil.copy(it / "mp_rank_00_000" / "model_optim_rng.pt",
+                it / "mp_rank_01_000" / "model_optim_rng.pt")
+    bad = [(p.code, Path(p.path).parent.name) for p in detect(ck).errors]
+    assert bad == [("duplicate-rank", "mp_rank_01_000")], bad
+    r = merge_cli(ck, tmp_path / "out", "--hf-config", str(megatron_root / "llama" / "reference"))
+    assert r.returncode == 3 and "mp_rank_00_000" in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_expert_rank_file_copied_under_another_expert_rank(megatron_root, tmp_path):
+    """EP ranks repeat the dense weights but hold different experts: a byte copy of EP rank 0's
+    file under EP rank 1's folder merged with EP rank 0's experts twice (24 tensors wrong)."""
+    ck = copy_checkpoint(megatron_root / "mixtral" / "tp1_pp1_ep2" / "legacy", tmp_path / "ck")
+    it = ck / "iter_0000010"
+    shutil.copy(it / "mp_rank_00_000" / "model_optim_rng.pt",
+                it / "mp_rank_00_001" / "model_optim_rng.pt")
+    bad = [(p.code, Path(p.path).parent.name) for p in detect(ck).errors]
+    assert bad == [("duplicate-rank", "mp_rank_00_001")], bad

@@ -328,7 +328,8 @@ SAMPLE_MAX_WORLD_SIZE = 32
 
 def _check_args(args) -> None:
     """Refuse impossible option values before any work (:class:`UsageError`, exit 2): an
-    input path that does not exist, ``--workers`` (or ``sample --world-size``) below 1."""
+    input path that does not exist, ``--workers`` (or ``sample --world-size``) below 1,
+    ``--atol``/``--rtol`` negative or not finite."""
     from shardscope.core import UsageError
 
     if args.command in ("inspect", "merge", "verify", "upload"):
@@ -358,6 +359,10 @@ def _check_args(args) -> None:
         check_repo_id(repo_id)
     if args.command == "merge" and args.workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {args.workers})")
+    for flag in ("atol", "rtol"):  # verify, diff: torch.isclose raises for these
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{flag} must be a finite number >= 0 (got {value})")
     if args.command == "sample" and args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {args.world_size})")
     if args.command == "sample" and args.world_size > SAMPLE_MAX_WORLD_SIZE:

@@ -58,7 +58,7 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
         layout = read(mod)
         check_cancelled()  # a front end's watch (core/phases.py) stopped the read
         others = found[1:]
-        if given.is_file() and given.resolve() not in _weight_files(layout):
+        if given.is_file() and _real(given) not in _weight_files(layout):
             # a folder holding two checkpoints, and the user named a file of the second one:
             # read that one, never the first reader's checkpoint in its place
             for i, (oname, omod) in enumerate(others):
@@ -66,14 +66,14 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
                     olayout = read(omod)
                 except (BadCheckpointError, OSError):
                     continue
-                if given.resolve() in _weight_files(olayout):
+                if _real(given) in _weight_files(olayout):
                     others = [(name, mod)] + others[:i] + others[i + 1:]
                     name, mod, layout = oname, omod, olayout
                     break
         if mod.__name__.endswith(".dcp") and not layout.tensors:
             _optimizer_folder(p)
         _files_inside(layout, p)
-        if given.is_file() and Path(layout.path).resolve() != given.resolve():
+        if given.is_file() and _real(layout.path) != _real(given):
             layout.notes.insert(0, f"reading the whole checkpoint folder {layout.path} "
                                    f"that this file ({given.name}) belongs to")
         _other_checkpoints(layout, others, read)
@@ -94,12 +94,19 @@ def detect(path: str | os.PathLike, deepspeed_weights: str = "master",
         str(given), code="not-a-checkpoint")
 
 
+def _real(path: str | os.PathLike) -> Path:
+    """``path`` with its symbolic links resolved, as :func:`os.path.realpath` does: unlike
+    ``Path.resolve()`` on Python < 3.13 it never raises for a link that loops (such a file
+    is reported by its reader as unreadable instead of stopping the whole read)."""
+    return Path(os.path.realpath(path))
+
+
 def _weight_files(layout: CheckpointLayout) -> set[Path]:
     """The resolved files a layout reads: its shard files and the files its pieces lie in."""
     files = {f.path for f in layout.files}
     for t in layout.tensors.values():
         files.update(pc.file for pc in t.pieces)
-    return {Path(f).resolve() for f in files if f}
+    return {_real(f) for f in files if f}
 
 
 def _other_checkpoints(layout: CheckpointLayout, others, read) -> None:

@@ -90,10 +90,23 @@ def config_files(folder: str | os.PathLike) -> list[tuple[str, str]]:
     config, generation config, tokenizer files and custom modelling code, never weights.
     Returns (source path, relative name) pairs, sorted. Raises BadCheckpointError for a file
     (a symbolic link) that resolves outside ``folder`` (see :func:`contained`)."""
+    from ..errors import BadCheckpointError
+
     folder = Path(folder)
     out = []
     for p in sorted(folder.rglob("*")):
-        if not p.is_file() or p.name.startswith("."):
+        if p.name.startswith("."):
+            continue
+        if p.is_symlink() and not p.exists():
+            # e.g. a hub cache snapshot whose blob never finished downloading: copying the
+            # rest would give a folder without it, said to be complete
+            raise BadCheckpointError(f"a symbolic link to nothing ({os.readlink(p)}): the "
+                                     "merged folder would lack this file; an incomplete "
+                                     "download?", str(p), code="missing-file")
+        if not p.is_file():
+            if p.exists() and not p.is_dir():
+                raise BadCheckpointError("not a regular file (a pipe, socket or device): "
+                                         "refusing to read it", str(p), code="unreadable-file")
             continue
         if p.name.endswith(WEIGHT_SUFFIXES) or p.name in WEIGHT_NAMES:
             continue
@@ -176,3 +189,24 @@ def corrupt_is_bad(what: str, where=None):
                                          str(where(path) if where else path)) from None
         return guarded
     return wrap
+
+
+def same_data_groups(files: dict) -> list[list]:
+    """Groups (two or more, keys sorted) of the ``key -> torch.save file`` of ``files`` whose
+    tensor data is byte for byte the same: every storage record (``<archive>/data/<n>``) of
+    equal CRC-32 and size in the zip directories, read without the data. Two ranks' files of
+    one save that each hold their own slices never agree on all of them: a group is a file
+    copied under another rank's name. Files that cannot be read as zips are left out."""
+    import zipfile
+
+    by_records: dict[tuple, list] = {}
+    for key, f in files.items():
+        try:
+            with zipfile.ZipFile(f) as z:
+                records = tuple((i.CRC, i.file_size) for i in z.infolist()
+                                if "/data/" in i.filename)
+        except (OSError, zipfile.BadZipFile):
+            continue
+        if records:
+            by_records.setdefault(records, []).append(key)
+    return [sorted(g) for g in by_records.values() if len(g) > 1]

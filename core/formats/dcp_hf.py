@@ -63,6 +63,12 @@ def read(path: str) -> CheckpointLayout:
             t = layout.tensors.get(e.name)
             if t is None:
                 t = layout.tensors[e.name] = TensorInfo(e.name, (), e.dtype, "DCP (safetensors)")
+            elif e.dtype != t.dtype:
+                # one tensor's pieces are of one dtype: another would be cast in silently
+                first = next((Path(pc.file).name for pc in t.pieces), "an earlier rank file")
+                layout.problems.append(Problem(
+                    "rank-disagreement", f"{e.name}: {e.dtype} here, {t.dtype} in {first}",
+                    str(fpath)))
             ext = extents.setdefault(e.name, [0] * len(e.shape))
             for i, (o, s) in enumerate(zip(offs, e.shape)):
                 ext[i] = max(ext[i], o + s)

@@ -35,7 +35,7 @@ from pathlib import Path
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
 from ..phases import phase, progressed
-from .common import attach_config, contained, problem_for, stat_file
+from .common import attach_config, contained, problem_for, same_data_groups, stat_file
 from .torchsave import Record, TensorRef, read_torch_archive
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -268,6 +268,7 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
                                        f"{ranks_found - 1}", model_file))
     prefix = "bf16_" if any(Path(f).name.startswith("bf16_") for f in optim.values()) else ""
     stages: list[dict] = []  # per pipeline stage: model states, groups by dp rank, files
+    stages_seen: dict[int, str] = {}  # ZeRO stage -> the first optimizer file that says it
     for s in range(mpw):  # pipeline stages, or AutoTP ranks
         progressed(s * world, mpw * world, layout, what="optimizer files")
         st = {"model_file": None, "states": None, "groups": {}, "optim": {}, "model3": {}}
@@ -306,10 +307,28 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
             try:
                 osd = _get(read_torch_archive(fpath).root, "optimizer_state_dict")
                 st["groups"][r] = _flat_groups(osd, fpath)
+                st.setdefault("slices", {})[r] = _get(osd, "param_slice_mappings")
+                mine = _zero_stage(osd, None)
+                if mine is not None and stages_seen and mine not in stages_seen:
+                    other, first = next(iter(stages_seen.items()))
+                    layout.problems.append(Problem(
+                        "rank-disagreement", f"ZeRO stage {mine} in this optimizer file, "
+                        f"{other} in {Path(first).name}: a file of another run?", fpath))
+                if mine is not None:
+                    stages_seen.setdefault(mine, fpath)
                 stage = stage or _zero_stage(osd, model_states)
             except BadCheckpointError as e:
                 sf.status = "unreadable"
                 layout.problems.append(problem_for(e, fpath))
+    for st in stages:  # a rank's optimizer file copied under another rank's name
+        read_ok = {r: st["optim"][r] for r in st["groups"]}
+        for group in same_data_groups(read_ok):
+            for r in group[1:]:
+                layout.problems.append(Problem(
+                    "duplicate-rank", f"holds the same tensor bytes as rank {group[0]}'s "
+                    f"optimizer file ({Path(read_ok[group[0]]).name}): every rank's partition "
+                    f"differs; a copy of that file under rank {r}'s name? rank {r}'s partition "
+                    "is missing", read_ok[r]))
     if stage is None:
         stage = _zero_stage(None, model_states) or (3 if model3 else 1)
     if stage >= 3:  # every dp rank's model states hold its fragments of the frozen parameters
@@ -378,7 +397,7 @@ def read(path: str, weights: str = "master", hf_config: str | None = None) -> Ch
     for st, param_shapes in zip(stages, shapes_of):
         earlier = dict(layout.tensors)
         if stage <= 2:
-            _stage2(layout, world, param_shapes, st["groups"], st["optim"])
+            _stage2(layout, world, param_shapes, st["groups"], st["optim"], st.get("slices"))
         else:
             _stage3(layout, world, param_shapes, st["groups"], st["optim"])
         # a tied layer (TiedLayerSpec) is in every stage that uses it: keep the first stage's
@@ -713,11 +732,17 @@ def _module_dtype(model_states, layer_files) -> str:
     return "unknown"
 
 
-def _stage2(layout, world, param_shapes, groups_by_rank, optim) -> None:
+def _stage2(layout, world, param_shapes, groups_by_rank, optim, slices=None) -> None:
+    """ZeRO-1/2: each group's parameters flattened in order and cut into one partition per
+    rank. ``slices``: each rank's ``param_slice_mappings`` (DeepSpeed >= 0.10: per group, the
+    parameter fragments that rank's partition holds, ``fragment_address(numel, start)``), when
+    saved; a file whose mappings name other fragments than its rank's place gives (a copy of
+    another rank's file under this rank's name) is a ``rank-disagreement``."""
     for g, shapes in enumerate(param_shapes):
         parts = [groups_by_rank[r][g] for r in range(world)]
         sizes = [p.shape[0] for p in parts]
         starts = [sum(sizes[:r]) for r in range(world)]
+        held: dict[int, dict[str, tuple[int, int]]] = {r: {} for r in range(world)}
         offset = 0
         for name, shape in shapes.items():
             shape = tuple(shape)
@@ -731,14 +756,52 @@ def _stage2(layout, world, param_shapes, groups_by_rank, optim) -> None:
                     break
                 t.pieces.append(_piece(parts[r], pos - starts[r], take, pos - offset, r,
                                        optim[r]))
+                held[r][name] = (pos - starts[r], take)
                 pos += take
             layout.tensors[name] = t
             offset += n
+        flagged = {p.path for p in layout.errors}
+        for r in range(world):
+            if optim[r] in flagged:  # already refused (e.g. duplicate-rank): one reason each
+                continue
+            said = _fragments((slices or {}).get(r), g)
+            if said is None or not said.keys() & set(shapes):
+                continue  # not saved, or names of another kind: nothing to compare
+            wrong = sorted(k for k in said.keys() | held[r].keys()
+                           if said.get(k) != held[r].get(k) and k in shapes)
+            if wrong:
+                k = wrong[0]
+                here = (f"elements [{held[r][k][0]}, {sum(held[r][k])}) of {k}"
+                        if k in held[r] else f"nothing of {k}")
+                there = (f"elements [{said[k][0]}, {sum(said[k])}) of {k}" if k in said
+                         else f"nothing of {k}")
+                layout.problems.append(Problem(
+                    "rank-disagreement", f"group {g}: by its param_slice_mappings this file "
+                    f"holds {there}, but as rank {r}'s partition it holds {here} "
+                    f"({len(wrong)} parameter(s) differ): a copy of another rank's file, or a "
+                    "file of another run?", optim[r]))
         total = sum(sizes)
         if offset > total or total - offset >= 2 * world * 64:
             layout.problems.append(Problem(
                 "partition-mismatch", f"group {g}: parameters need {offset} elements, the "
                 f"partitions hold {total}", optim[0]))
+
+
+def _fragments(mappings, g: int) -> dict[str, tuple[int, int]] | None:
+    """Group ``g`` of a rank's ``param_slice_mappings`` as name -> (start, numel) in the
+    rank's partition; None when not saved or not of the known form."""
+    if not isinstance(mappings, (list, tuple)) or g >= len(mappings):
+        return None
+    group = mappings[g]
+    if not hasattr(group, "items"):
+        return None
+    out = {}
+    for name, frag in group.items():
+        start, numel = _int(_get(frag, "start")), _int(_get(frag, "numel"))
+        if not isinstance(name, str) or start is None or numel is None:
+            return None
+        out[name] = (start, numel)
+    return out
 
 
 def _stage3(layout, world, param_shapes, groups_by_rank, optim) -> None:

@@ -1061,10 +1061,12 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
                                    for p in layout.problems)
     replica_dims = [i for i, n in enumerate(layout.mesh_shape)
                     if b.kinds_by_dim().get(i) == {"Replicate"} and n > 1]
+    # copies of one place on the ranks read (HSDP replicas, replicated buffers): the union's
+    # judgement compares them (core/distributed.py), and so does --deep (core/deep.py)
+    layout.replica_copies = b.copies
     if present_only:  # for the union's judgement (core/distributed.py)
         layout.keys_by_rank = b.keys_by_rank  # the key check
         layout.kinds_by_dim = b.kinds_by_dim()  # which mesh dims only replicate (HSDP)
-        layout.replica_copies = b.copies  # copies of one place on this node's ranks
     elif n_missing and not unreadable and replica_dims and n_missing < world:
         _serve_from_replicas(layout, b, world, missing, replica_dims)
     elif not unreadable and not any(p.code == "missing-rank" for p in layout.problems):

@@ -21,7 +21,7 @@ from ..dtypes import ITEMSIZE
 from ..errors import BadCheckpointError
 from ..layout import CheckpointLayout, Piece, Problem, TensorInfo, coverage_problems
 from ..phases import phase, progressed
-from .common import contained, corrupt_is_bad, problem_for, stat_file
+from .common import contained, corrupt_is_bad, problem_for, same_data_groups, stat_file
 from .torchsave import TensorRef, read_torch_archive
 
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -173,6 +173,7 @@ def read(path: str, hf_config: str | None = None) -> CheckpointLayout:
         return layout
     tp, pp, ep, vpp, files = grid
     _check_consistency(files, pp, vpp, layout)
+    _duplicate_rank_files(files, layout)
     if layout.errors:
         return layout
     dp = mg.data_parallel(args, tp, pp)
@@ -269,6 +270,26 @@ ARGS_SAME = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
              "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "num_layers",
              "hidden_size", "num_attention_heads", "num_query_groups", "swiglu",
              "padded_vocab_size", "num_experts", "untie_embeddings_and_output_weights")
+
+
+def _duplicate_rank_files(files, layout: CheckpointLayout) -> None:
+    """``duplicate-rank`` for a file whose tensor data is byte for byte another rank's of the
+    same pipeline stage (every storage record of the same CRC-32 and size in the two zip
+    directories, read without the data): TP ranks hold different slices of every split tensor
+    and EP ranks different experts, so such a file is a copy under another rank's folder,
+    whose own tensors are missing."""
+    groups = []
+    for s in sorted({s for (_, s, _) in files}, key=str):
+        stage = {(t, e): f for (t, s2, e), (f, _) in files.items() if s2 == s}
+        groups += [[(k, stage[k]) for k in g] for g in same_data_groups(stage)]
+    for group in groups:
+        _, f0 = group[0]
+        for _, f1 in group[1:]:
+            layout.problems.append(Problem(
+                "duplicate-rank", f"holds the same tensor bytes as "
+                f"{Path(f0).parent.name}/{Path(f0).name}: the tensor- and expert-parallel ranks "
+                f"of a stage hold different slices; a copy of that file under "
+                f"{Path(f1).parent.name}? Its own rank's tensors are missing", f1))
 
 
 def _tensor_keys(sd: dict) -> set[str]:
