@@ -70,13 +70,15 @@ def same_writes(a: MergePlan, b: MergePlan) -> bool:
 
 
 def plan_first(layout, options: MergeOptions, worker=None,
-               on_phase: Callable[[str], None] | None = None
+               on_phase: Callable[[str], None] | None = None,
+               cancel: threading.Event | None = None
                ) -> tuple[MergePlan, "PendingPlan | None"]:
     """(plan, None) when the plan needs nothing that is not cached (the real plan); else
     (speculative plan, the :class:`PendingPlan` computing the real one). ``worker``: one
     :func:`start_worker` started earlier (on a :func:`likely_cold` guess), used or stopped
     here. ``on_phase``: receives the real plan's phase reports (core/phases.py) from its
-    thread. Raises what :func:`core.plan.plan_merge` raises."""
+    thread. ``cancel``: checked before the check is started (:class:`MergeCancelled`).
+    Raises what :func:`core.plan.plan_merge` raises."""
     from . import plan_merge  # the package's name, looked up now (a test may wrap it)
 
     try:
@@ -92,6 +94,8 @@ def plan_first(layout, options: MergeOptions, worker=None,
         except ShardscopeError:  # the real plan decides what is wrong (or that nothing is)
             _stop(worker)
             return plan_merge(layout, options), None
+        if cancel is not None and cancel.is_set():  # an interrupt the planning let pass
+            raise MergeCancelled("merge cancelled")
     except BaseException:
         _stop(worker)
         raise

@@ -539,7 +539,7 @@ def cmd_merge(args) -> int:
                             private=args.private, strict=args.strict,
                             trust_remote_code=args.trust_remote_code, crc=args.crc)
         with phases:  # a config not checked before: planned on a guess, checked while writing
-            plan, pending = plan_first(layout, opts, worker, on_phase=log)
+            plan, pending = plan_first(layout, opts, worker, on_phase=log, cancel=cancel)
     except BaseException:
         if worker is not None:
             worker.kill()
