@@ -60,7 +60,14 @@ class TensorDiff:
     compared), ``only_a``/``only_b``. Statistics (float64, None when not computed or not
     finite): ``max_abs`` = max |B-A|, ``rel_change`` = ||B-A|| / ||A|| (Frobenius norms),
     ``cosine`` = <A,B> / (||A|| ||B||), ``differing`` = elements not equal (not within
-    atol/rtol), ``norm_a``/``norm_diff`` = ||A||, ||B-A|| (for per-layer sums)."""
+    atol/rtol), ``norm_a``/``norm_diff`` = ||A||, ||B-A|| (for per-layer sums).
+
+    NaN and Inf (counted when the values were decoded: ``nan_a``/``nan_b``/``inf_a``/
+    ``inf_b``): ``nan_mismatch`` = elements NaN on one side only, ``inf_mismatch`` = elements
+    +-Inf on one side only (or of the other sign), NaN aside. When either is not 0,
+    ``max_abs``, ``rel_change``, ``cosine`` and ``norm_diff`` are NaN: a difference with
+    NaN/Inf in it has no size, and the statistics of the finite rest would read as the whole
+    change (:attr:`nonfinite` says what changed)."""
 
     name: str
     status: str
@@ -75,10 +82,28 @@ class TensorDiff:
     norm_a: float | None = None
     norm_diff: float | None = None
     nan_mismatch: int = 0
+    inf_mismatch: int = 0
+    nan_a: int = 0
+    nan_b: int = 0
+    inf_a: int = 0
+    inf_b: int = 0
 
     @property
     def same(self) -> bool:
         return self.status in ("identical", "close")
+
+    @property
+    def nonfinite(self) -> str:
+        """How NaN/Inf differ between the sides, short (``+1 NaN``, ``-2 Inf``, ``3 NaN
+        moved``), or '' when they do not."""
+        parts = []
+        for kind, a, b, moved in (("NaN", self.nan_a, self.nan_b, self.nan_mismatch),
+                                  ("Inf", self.inf_a, self.inf_b, self.inf_mismatch)):
+            if a != b:
+                parts.append(f"{b - a:+d} {kind}")
+            elif moved:
+                parts.append(f"{moved} {kind} moved")
+        return ", ".join(parts)
 
     @property
     def layer(self) -> str:
@@ -92,19 +117,22 @@ class TensorDiff:
             d[k] = list(d[k]) if d[k] is not None else None
         for k in ("max_abs", "rel_change", "cosine", "norm_a", "norm_diff"):
             if d[k] is not None and not math.isfinite(d[k]):
-                d[k] = None if math.isnan(d[k]) else str(d[k])
+                d[k] = "nan" if math.isnan(d[k]) else str(d[k])
+        d["nonfinite"] = self.nonfinite or None
         return d
 
 
 @dataclass
 class LayerChange:
     """The tensors of one layer: how many, how many not identical, and the relative change of
-    the layer as a whole, sqrt(sum ||B-A||^2) / sqrt(sum ||A||^2) over its compared tensors."""
+    the layer as a whole, sqrt(sum ||B-A||^2) / sqrt(sum ||A||^2) over its compared tensors
+    (NaN when one of them gained or lost NaN/Inf: ``nonfinite`` counts those tensors)."""
 
     layer: str
     tensors: int
     changed: int
     rel_change: float | None
+    nonfinite: int = 0
 
 
 @dataclass
@@ -137,8 +165,9 @@ class DiffResult:
         """The ``n`` compared tensors with the largest relative change (then max abs diff)."""
         moved = [t for t in self.tensors if t.status in ("changed", "close", "dtype")
                  and t.differing]
-        return sorted(moved, key=lambda t: (_num(t.rel_change), _num(t.max_abs)),
-                      reverse=True)[:n]
+        # NaN/Inf that appeared or went first: their change has no size, and is the largest
+        return sorted(moved, key=lambda t: (bool(t.nonfinite), _num(t.rel_change),
+                                            _num(t.max_abs)), reverse=True)[:n]
 
     def by_layer(self) -> list[LayerChange]:
         """Per layer (``model.layers.N``, ``(other)`` last), in natural order."""
@@ -152,8 +181,11 @@ class DiffResult:
             na = math.sqrt(sum(t.norm_a ** 2 for t in comp))
             nd = math.sqrt(sum(t.norm_diff ** 2 for t in comp))
             rel = (nd / na if na else (0.0 if nd == 0 else math.inf)) if comp else None
+            if any(t.nonfinite for t in comp):
+                rel = math.nan  # NaN/Inf appeared or went: no size, never 0
             out.append(LayerChange(layer, len(ts), sum(not t.status == "identical"
-                                                       for t in ts), rel))
+                                                       for t in ts), rel,
+                                   sum(bool(t.nonfinite) for t in ts)))
         return out
 
     def to_dict(self, top: int = 10) -> dict:
@@ -174,7 +206,7 @@ def _num(x: float | None) -> float:
 def _json_num(x):
     if x is None or math.isfinite(x):
         return x
-    return None if math.isnan(x) else str(x)
+    return "nan" if math.isnan(x) else str(x)
 
 
 def output_tensors(path: str, side: SideOptions | None = None):
@@ -334,20 +366,27 @@ def _norm_cos_same(x) -> tuple[float, float | None]:
 
 
 def _stats(d: TensorDiff, va, vb, atol: float, rtol: float) -> None:
-    """Fill ``d``'s statistics from tensors ``va``/``vb`` (same shape), in float64 chunks."""
+    """Fill ``d``'s statistics from tensors ``va``/``vb`` (same shape), in float64 chunks:
+    over the elements finite on both sides; NaN/Inf counted per side, and the size
+    statistics NaN when they differ (see :class:`TensorDiff`)."""
     import torch
 
     fa, fb = va.reshape(-1), vb.reshape(-1)
     sa = sb = sab = sdd = 0.0
     mx = 0.0
-    bad = nanm = 0
+    bad = nanm = infm = 0
+    counts = [0, 0, 0, 0]  # NaN in A, in B, Inf in A, in B
     for i in range(0, fa.numel(), CHUNK):
         ca, cb = fa[i:i + CHUNK].double(), fb[i:i + CHUNK].double()
         na, nb = torch.isnan(ca), torch.isnan(cb)
+        ia, ib = torch.isinf(ca), torch.isinf(cb)
+        for j, m in enumerate((na, nb, ia, ib)):
+            counts[j] += int(m.sum())
         nanm += int((na != nb).sum())
+        infm += int(((ia | ib) & ~(na | nb) & (ca != cb)).sum())
         close = torch.isclose(ca, cb, rtol=rtol, atol=atol, equal_nan=True)
         bad += int((~close).sum())
-        ok = ~(na | nb)
+        ok = torch.isfinite(ca) & torch.isfinite(cb)
         ca, cb = ca[ok], cb[ok]
         dd = cb - ca
         if dd.numel():
@@ -356,11 +395,14 @@ def _stats(d: TensorDiff, va, vb, atol: float, rtol: float) -> None:
         sb += float((cb * cb).sum())
         sab += float((ca * cb).sum())
         sdd += float((dd * dd).sum())
-    d.max_abs, d.differing, d.nan_mismatch = mx, bad, nanm
+    d.max_abs, d.differing, d.nan_mismatch, d.inf_mismatch = mx, bad, nanm, infm
+    d.nan_a, d.nan_b, d.inf_a, d.inf_b = counts
     d.norm_a, d.norm_diff = math.sqrt(sa), math.sqrt(sdd)
     d.rel_change = (d.norm_diff / d.norm_a if d.norm_a else
                     (0.0 if d.norm_diff == 0 else math.inf))
     d.cosine = sab / math.sqrt(sa * sb) if sa > 0 and sb > 0 else None
+    if nanm or infm:  # not "changed by 0": the finite rest is not the change
+        d.max_abs = d.rel_change = d.cosine = d.norm_diff = math.nan
     if bad == 0 and (atol or rtol):  # across dtypes too, as verify --atol compares values
         d.status = "close"
     elif d.dtype_a != d.dtype_b:

@@ -334,3 +334,63 @@ def test_bin_folders_pt_files_and_float8_sides(formats_root, tmp_path, capsys):
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     code, d = diff_json(formats_root / "bin-sharded", bad)
     assert code == 1 and [x["name"] for x in d["tensors"] if x["status"] != "identical"] == [name]
+
+
+def test_a_nan_that_appears_is_said_never_a_change_of_zero(fixtures_root, tmp_path):
+    """A NaN in B (trial A2): not "changed, max |B-A| 0, rel 0, cosine 1"; the NaN counts that
+    differ are said in the table, the JSON and the layer chart, and a NaN beside a real change
+    (1e6) does not leave that change's size reported as the whole."""
+    norm, mlp = "model.norm.weight", "model.layers.1.mlp.down_proj.weight"
+
+    def nan(t):
+        t[norm] = t[norm].clone()
+        t[norm][3] = float("nan")
+        t[mlp] = t[mlp].clone()
+        t[mlp][0, 0] = float("nan")
+        t[mlp][1, 1] = 1e6
+
+    out = _damaged(fixtures_root, tmp_path, nan)
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    code, d = diff_json(ref, out)
+    assert code == 1
+    t = by_name(d)
+    for name in (norm, mlp):
+        assert t[name]["status"] == "changed" and t[name]["nan_mismatch"] == 1
+        assert (t[name]["nan_a"], t[name]["nan_b"]) == (0, 1)
+        assert t[name]["nonfinite"] == "+1 NaN"
+        assert t[name]["max_abs"] == t[name]["rel_change"] == t[name]["cosine"] == "nan"
+    assert d["largest"][:2] == [mlp, norm] or d["largest"][:2] == [norm, mlp]
+    layers = {lay["layer"]: lay for lay in d["layers"]}
+    assert layers["model.layers.1"]["nonfinite"] == 1
+    assert layers["model.layers.1"]["rel_change"] == "nan"
+    assert layers["model.layers.0"]["rel_change"] == 0.0
+    # NaN and A alike (A's NaN gone in B)
+    code, d = diff_json(out, ref)
+    assert by_name(d)[norm]["nonfinite"] == "-1 NaN"
+    r = run(ref, out)
+    assert r.returncode == 1, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.split("│")[1:2]
+               and line.split("│")[1].strip() == norm)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert cells == [norm, "changed", "nan", "nan", "nan", "1/64", "+1 NaN"], cells
+    layer1 = next(line for line in r.stdout.splitlines() if "model.layers.1 " in line)
+    assert "nan" in layer1 and "NaN/Inf in 1 tensor(s)" in layer1
+    assert "2 of them in NaN/Inf" in r.stdout.splitlines()[-1]
+
+
+def test_an_inf_that_appears_is_said(fixtures_root, tmp_path):
+    norm = "model.norm.weight"
+
+    def inf(t):
+        t[norm] = t[norm].clone()
+        t[norm][0] = float("inf")
+        t[norm][1] = float("-inf")
+
+    out = _damaged(fixtures_root, tmp_path, inf)
+    code, d = diff_json(fixtures_root / "w2-qwen2-f32.reference", out)
+    t = by_name(d)[norm]
+    assert code == 1 and t["inf_mismatch"] == 2 and t["nonfinite"] == "+2 Inf"
+    assert t["max_abs"] == "nan"
+    # an Inf on both sides at the same place is equal: not a change, and no nan statistics
+    code, d = diff_json(out, out)
+    assert code == 0 and by_name(d)[norm]["status"] == "identical"
