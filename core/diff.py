@@ -215,6 +215,12 @@ def output_tensors(path: str, side: SideOptions | None = None):
     located pieces, LoRA fold), planned without writing anything. Raises
     :class:`BadCheckpointError` for an unreadable or broken checkpoint, :class:`UsageError`
     when the side needs a choice (e.g. ``--lora``)."""
+    plan = _plan_side(path, side)
+    return plan.layout, list(plan.warnings), _side_tensors(plan)
+
+
+def _plan_side(path: str, side: SideOptions | None):
+    """The merge plan (not written) of one side, for :func:`output_tensors`."""
     from .formats import detect
     from .native_names import DETAIL as NATIVE
     from .plan import plan_merge
@@ -245,27 +251,40 @@ def output_tensors(path: str, side: SideOptions | None = None):
                         lora_config=side.lora_config if has_lora else None,
                         base_model=(side.base_model if has_lora and layout.lora.lora_only
                                     else None))
-    plan = plan_merge(layout, opts, writing=False)
-    tensors = {t.name: t for f in plan.files if not f.name.startswith(ADAPTER_DIR + "/")
-               for t in f.tensors}
-    return plan.layout, list(plan.warnings), tensors
+    return plan_merge(layout, opts, writing=False)
+
+
+def _side_tensors(plan) -> dict:
+    return {t.name: t for f in plan.files if not f.name.startswith(ADAPTER_DIR + "/")
+            for t in f.tensors}
 
 
 def diff_checkpoints(a: str, b: str, atol: float = 0.0, rtol: float = 0.0,
                      side_a: SideOptions | None = None, side_b: SideOptions | None = None,
                      on_progress: Callable[[int, int, str], None] | None = None,
-                     cancel: threading.Event | None = None) -> DiffResult:
+                     cancel: threading.Event | None = None, crc: bool = True) -> DiffResult:
     """Compare checkpoint ``a`` with ``b`` (any formats, any pairing), tensor by tensor.
 
     ``atol``/``rtol``: tolerances (``|B-A| <= atol + rtol*|A|`` elementwise, as
     ``torch.isclose``; 0 and 0: bit for bit). ``on_progress(done, total, name)`` after each
     tensor; ``cancel`` is checked between tensors and raises :class:`MergeCancelled` (exit
     130). Raises :class:`BadCheckpointError`/:class:`UsageError` as :func:`output_tensors`.
+    ``crc``: check the CRC-32 that ``torch.save`` records for every storage record read
+    (as ``merge`` does, in a thread overlapping the comparison): a corrupt record is a
+    :class:`BadCheckpointError` naming the file and the record, not a change.
     """
-    la, wa, ta = output_tensors(a, side_a)
+    pa = _plan_side(a, side_a)
+    la, wa, ta = pa.layout, list(pa.warnings), _side_tensors(pa)
     if cancel is not None and cancel.is_set():  # planning a side builds its model: seconds
         raise MergeCancelled("diff cancelled")
-    lb, wb, tb = output_tensors(b, side_b)
+    pb = _plan_side(b, side_b)
+    lb, wb, tb = pb.layout, list(pb.warnings), _side_tensors(pb)
+    checker = None
+    if crc:
+        from .integrity import plan_records, start_check
+
+        checker = start_check(plan_records(pa)[0] + plan_records(pb)[0],
+                              "not compared (--no-crc compares the bytes as they are)")
     warnings = [f"A: {w}" for w in wa if not w.startswith("no Hugging Face config")] + \
                [f"B: {w}" for w in wb if not w.startswith("no Hugging Face config")]
     from .read import Sources
@@ -277,12 +296,19 @@ def diff_checkpoints(a: str, b: str, atol: float = 0.0, rtol: float = 0.0,
         for i, name in enumerate(names):
             if cancel is not None and cancel.is_set():
                 raise MergeCancelled("diff cancelled")
+            if checker is not None and (checker.failed or checker.error):
+                break  # refused below
             out.append(_compare(name, ta.get(name), tb.get(name), src_a, src_b, atol, rtol))
             if on_progress:
                 on_progress(i + 1, len(names), name)
+        if checker is not None:
+            checker.result()  # raises for a record that fails its CRC-32
     finally:
         src_a.close()
         src_b.close()
+        if checker is not None and checker.is_alive():
+            checker.cancel.set()
+            checker.join()
     kinds = sorted({(t.dtype_a, t.dtype_b) for t in out if t.status == "close"
                     and t.dtype_a != t.dtype_b})
     if kinds:  # a tolerance compares values, whatever their dtypes: say that they differ

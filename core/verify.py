@@ -76,12 +76,14 @@ def architecture_problems(path: str, trust_remote_code: bool = False) -> list[Pr
 
 
 def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
-            on_tensor=None) -> list[Difference]:
+            on_tensor=None, crc: bool = True) -> list[Difference]:
     """Compare the tensors of the checkpoint at ``path`` with those at ``reference`` (any
     format the core reads): key sets, shapes, dtypes and values — bit-exact when ``atol`` and
     ``rtol`` are 0. Aliases of one tied tensor count as that tensor (:func:`tied_aliases`): a
     side holding only the kept name is compared through it. Reads one tensor at a time.
-    Raises BadCheckpointError for unreadable input.
+    Raises BadCheckpointError for unreadable input, and (``crc``, as ``merge``) for a
+    ``torch.save`` storage record whose CRC-32 fails (checked in a thread overlapping the
+    comparison): corruption is not reported as a difference.
     """
     from .formats import detect
     from .plan import natural_key
@@ -109,7 +111,28 @@ def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
             diffs.append(Difference(n, "extra", "not in the reference"))
         else:
             pairs.append((n, na, nb))
+    checker = None
+    if crc:
+        from .integrity import layout_records, start_check
+
+        checker = start_check(layout_records(a, [na for _, na, _ in pairs])[0]
+                              + layout_records(b, [nb for _, _, nb in pairs])[0],
+                              "not compared (--no-crc compares the bytes as they are)")
+    try:
+        _compare_pairs(a, b, pairs, diffs, atol, rtol, on_tensor, checker)
+        if checker is not None:
+            checker.result()  # raises for a record that fails its CRC-32
+    finally:
+        if checker is not None and checker.is_alive():
+            checker.cancel.set()
+            checker.join()
+    return diffs
+
+
+def _compare_pairs(a, b, pairs, diffs, atol, rtol, on_tensor, checker) -> None:
     for n, na, nb in pairs:
+        if checker is not None and (checker.failed or checker.error):
+            return  # refused by the caller
         ta, tb = a.tensors[na], b.tensors[nb]
         if ta.shape != tb.shape:
             diffs.append(Difference(n, "shape", f"{ta.shape} vs {tb.shape}"))
@@ -123,7 +146,6 @@ def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
             diffs.append(Difference(n, "values", d))
         if on_tensor:
             on_tensor(n)
-    return diffs
 
 
 def tied_aliases(*layouts) -> dict[str, str]:

@@ -394,3 +394,57 @@ def test_an_inf_that_appears_is_said(fixtures_root, tmp_path):
     # an Inf on both sides at the same place is equal: not a change, and no nan statistics
     code, d = diff_json(out, out)
     assert code == 0 and by_name(d)[norm]["status"] == "identical"
+
+
+def _flip_dcp_chunk(ck):
+    """Flip a byte in the middle of the largest DCP chunk's data; its tensor's name."""
+    from shardscope.core import detect
+
+    layout = detect(ck)
+    name, t = max(layout.tensors.items(), key=lambda kv: kv[1].pieces[0].nbytes)
+    located = layout.resolve_piece(t.pieces[0])
+    with open(located.file, "r+b") as fh:
+        pos = located.byte_offset + located.nbytes // 2
+        fh.seek(pos)
+        b = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([b[0] ^ 0x5A]))
+    return name, located.file
+
+
+def test_a_corrupt_rank_file_is_refused_by_its_crc_not_shown_as_a_change(fixtures_root,
+                                                                         tmp_path):
+    """Trial A6: diff and verify --reference check the CRC-32 of torch.save records, as
+    merge does: a flipped byte is corruption naming the file and the record (exit 3), not a
+    change from training; --no-crc compares the bytes as they are."""
+    from conftest import flip_largest_storage
+
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "flip")
+    f = ck / "model_world_size_2_rank_1.pt"
+    flip_largest_storage(f)
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    for args in ((ck, ref), (ref, ck)):
+        r = run(*args)
+        assert r.returncode == 3 and r.stdout == "", (r.stdout, r.stderr)
+        assert r.stderr.count("\n") == 1 and str(f) in r.stderr, r.stderr
+        assert "storage record" in r.stderr and "fails its CRC-32" in r.stderr
+        assert "not compared (--no-crc" in r.stderr
+    r = run(ck, ref, "--no-crc")
+    assert r.returncode == 1 and "different: 1 of" in r.stdout, r.stdout
+    r = run_cli("verify", ref, "--reference", ck)
+    assert r.returncode == 3 and str(f) in r.stderr and "fails its CRC-32" in r.stderr, \
+        (r.stdout, r.stderr)
+    assert "differ" not in r.stdout
+    r = run_cli("verify", ref, "--reference", ck, "--no-crc")
+    assert r.returncode == 1 and "not ok" in r.stdout
+    # a DCP chunk (a torch.save archive inside a .distcp file) too
+    dcp = copy_checkpoint(fixtures_root / "w2-dcp", tmp_path / "dcp")
+    name, f = _flip_dcp_chunk(dcp)
+    r = run(dcp, fixtures_root / "w2-dcp.reference")
+    assert r.returncode == 3 and f in r.stderr and name in r.stderr, r.stderr
+    r = run_cli("verify", fixtures_root / "w2-dcp.reference", "--reference", dcp)
+    assert r.returncode == 3 and f in r.stderr and "fails its CRC-32" in r.stderr, r.stderr
+    # an intact pair is not refused
+    r = run_cli("verify", fixtures_root / "w2-dcp.reference", "--reference",
+                fixtures_root / "w2-dcp")
+    assert r.returncode == 0, (r.stdout, r.stderr)

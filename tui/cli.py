@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--trust-remote-code", action="store_true",
                    help="let the check of the weights against the config's model build a "
                         "class that only the folder's own code defines (runs that code)")
+    v.add_argument("--no-crc", dest="crc", action="store_false",
+                   help="with --reference: skip the CRC-32 check of the torch.save storage "
+                        "records read (on by default, as merge)")
 
     d = sub.add_parser("diff", help="compare two checkpoints of any formats, tensor by tensor "
                                     "(exit 0 identical, 1 different)")
@@ -161,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lora-config", metavar="FILE", help="the adapter's adapter_config.json")
     d.add_argument("--base-model", metavar="DIR",
                    help="the base weights of a side holding the LoRA adapter only")
+    d.add_argument("--no-crc", dest="crc", action="store_false",
+                   help="skip the CRC-32 check of the torch.save storage records read (on by "
+                        "default, as merge: a corrupt record is refused, not shown as a change)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress display")
 
     u = sub.add_parser("upload", help="upload a merged folder to a Hugging Face Hub repository "
@@ -759,7 +765,7 @@ def cmd_verify(args) -> int:
     errors = [p for p in problems if p.severity == "error"]
     warnings = [p for p in problems if p.severity != "error"]
     if args.reference:
-        diffs = compare(args.path, args.reference, args.atol, args.rtol)
+        diffs = compare(args.path, args.reference, args.atol, args.rtol, crc=args.crc)
         if diffs:
             t = Table("tensor", "difference", "detail", title="differences from the reference")
             for d in diffs:
@@ -829,10 +835,10 @@ def cmd_diff(args) -> int:
                                 description=f"comparing {name}")
 
                 result = diff_checkpoints(args.a, args.b, args.atol, args.rtol, side, side,
-                                          on_progress=update, cancel=cancel)
+                                          on_progress=update, cancel=cancel, crc=args.crc)
         else:
             result = diff_checkpoints(args.a, args.b, args.atol, args.rtol, side, side,
-                                      cancel=cancel)
+                                      cancel=cancel, crc=args.crc)
     except (KeyboardInterrupt, MergeCancelled):
         cancel.set()
         print("shardscope: interrupted", file=sys.stderr)
