@@ -76,7 +76,7 @@ def architecture_problems(path: str, trust_remote_code: bool = False) -> list[Pr
 
 
 def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
-            on_tensor=None, crc: bool = True) -> list[Difference]:
+            on_tensor=None, crc: bool = True, on_layouts=None) -> list[Difference]:
     """Compare the tensors of the checkpoint at ``path`` with those at ``reference`` (any
     format the core reads): key sets, shapes, dtypes and values — bit-exact when ``atol`` and
     ``rtol`` are 0. Aliases of one tied tensor count as that tensor (:func:`tied_aliases`): a
@@ -92,6 +92,8 @@ def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
     for lay in (a, b):
         if lay.errors:
             raise BadCheckpointError(lay.errors[0].message, lay.errors[0].path or lay.path)
+    if on_layouts is not None:  # e.g. the config folders, for config_comparison
+        on_layouts(a, b)
     diffs = []
     aliases = tied_aliases(a, b) if set(a.tensors) ^ set(b.tensors) else {}
 
@@ -146,6 +148,44 @@ def _compare_pairs(a, b, pairs, diffs, atol, rtol, on_tensor, checker) -> None:
             diffs.append(Difference(n, "values", d))
         if on_tensor:
             on_tensor(n)
+
+
+#: config.json's name of a stored dtype (``dtype``, older ``torch_dtype``)
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+def _stored_float_dtype(layout) -> str | None:
+    """The one floating dtype ``layout``'s tensors are stored in, or None (several, none)."""
+    kinds = {t.dtype for t in layout.tensors.values() if t.dtype in _CONFIG_DTYPES.values()}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def config_comparison(layout, reference) -> tuple[str, str, list, list]:
+    """``layout``'s config.json against ``reference``'s (two layouts): ``(state, where,
+    differences, as_tensors)``, ``state`` one of ``same``, ``differ`` (``differences``: see
+    :func:`core.checks.config_differences`), ``unchecked`` (``where`` says which side has no
+    readable config.json); ``where``: the reference's config.json otherwise. A ``dtype``
+    (``torch_dtype``) that differs as each side's stored tensors do (``merge --dtype``
+    writes both) is in ``as_tensors``, not ``differences``: the tensor comparison judges
+    it (a difference bit for bit, accepted within --atol/--rtol)."""
+    import os
+
+    from .checks import config_differences
+
+    for lay, who in ((layout, "the folder"), (reference, "the reference")):
+        if lay.config_dir is None or not os.path.isfile(os.path.join(lay.config_dir,
+                                                                      "config.json")):
+            return "unchecked", f"{who} has no config.json", [], []
+    where = os.path.join(reference.config_dir, "config.json")
+    diffs = config_differences(layout.config_dir, reference.config_dir)
+    if diffs is None:
+        return "unchecked", "a config.json is not a readable JSON object", [], []
+    stored = (_stored_float_dtype(layout), _stored_float_dtype(reference))
+    as_tensors = [d for d in diffs if d[0] in ("dtype", "torch_dtype")
+                  and (_CONFIG_DTYPES.get(str(d[1])), _CONFIG_DTYPES.get(str(d[2]))) == stored
+                  and None not in stored]
+    diffs = [d for d in diffs if d not in as_tensors]
+    return ("differ" if diffs else "same"), where, diffs, as_tensors
 
 
 def tied_aliases(*layouts) -> dict[str, str]:

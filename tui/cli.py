@@ -765,12 +765,35 @@ def cmd_verify(args) -> int:
     errors = [p for p in problems if p.severity == "error"]
     warnings = [p for p in problems if p.severity != "error"]
     if args.reference:
-        diffs = compare(args.path, args.reference, args.atol, args.rtol, crc=args.crc)
+        from shardscope.core.checks import describe_config_differences
+        from shardscope.core.verify import config_comparison
+
+        layouts = []
+        diffs = compare(args.path, args.reference, args.atol, args.rtol, crc=args.crc,
+                        on_layouts=lambda a, b: layouts.extend((a, b)))
+        # config.json too: "ok" after --reference reads as "the same model"
+        state, where, cfg, as_tensors = config_comparison(*layouts)
+        cfg_keys = ", ".join(k for k, _, _ in cfg or ())
         if diffs:
             t = Table("tensor", "difference", "detail", title="differences from the reference")
             for d in diffs:
                 t.add_row(d.name, d.kind, d.detail)
             console.print(t)
+        else:
+            console.print(f"[green]all tensors match[/] {args.reference}"
+                          + (" bit for bit" if not (args.atol or args.rtol) else ""),
+                          highlight=False)
+        if state == "differ":
+            console.print(f"[red]config.json differs[/] from {where} in {len(cfg)} key(s), "
+                          "this folder's vs the reference's: "
+                          + describe_config_differences(cfg), highlight=False)
+        elif state == "same":
+            console.print(f"config.json matches {where}"
+                          + (f" but for {describe_config_differences(as_tensors)}, as the "
+                             "tensors' dtypes" if as_tensors else ""), highlight=False)
+        else:
+            console.print(f"[yellow]config.json not compared[/]: {where}", highlight=False)
+        if diffs or state == "differ":
             # the verdict names what differs (never the table's border as the last word)
             kinds = {}
             for d in diffs:
@@ -778,15 +801,17 @@ def cmd_verify(args) -> int:
             tensors = len(dict.fromkeys(d.name for d in diffs))
             hint = ("; the dtypes differ: compare values with --atol/--rtol"
                     if "dtype" in kinds and not (args.atol or args.rtol) else "")
+            what = ([f"{tensors} tensor(s) differ from {args.reference} ("
+                     + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"] if diffs else [])
+            if state == "differ":
+                what.append(f"config.json differs from {args.reference}'s ({cfg_keys})"
+                            if not diffs else f"config.json differs ({cfg_keys})")
             console.print(
-                f"[red]not ok[/] {args.path}: {tensors} tensor(s) differ from {args.reference} ("
-                + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
+                f"[red]not ok[/] {args.path}: " + " and ".join(what)
                 + (f" and {len(errors)} error(s) ("
                    + ", ".join(dict.fromkeys(p.code for p in errors)) + ")" if errors else "")
                 + hint, highlight=False)
             return 1
-        console.print(f"[green]all tensors match[/] {args.reference}"
-                      + (" bit for bit" if not (args.atol or args.rtol) else ""))
     if errors:
         console.print(f"[red]not ok[/] {args.path}: {len(errors)} error(s) ("
                       + ", ".join(dict.fromkeys(p.code for p in errors)) + ")"
