@@ -154,6 +154,17 @@ class DiffResult:
     def same(self) -> bool:
         return all(t.same for t in self.tensors)
 
+    def same_text(self) -> str:
+        """The verdict of a :attr:`same` result, worded as the counts are: ``identical bit
+        for bit`` when every tensor is, else ``close within atol=A rtol=R`` and how many
+        tensors are close and how many identical."""
+        c = self.counts()
+        if not c["close"]:
+            return f"identical bit for bit: every one of the {len(self.tensors)} tensors"
+        return (f"close within atol={self.atol:g} rtol={self.rtol:g}: every one of the "
+                f"{len(self.tensors)} tensors ({c['close']} close, {c['identical']} "
+                "identical bit for bit)")
+
     def counts(self) -> dict[str, int]:
         """Tensors per status (every status present, zero included)."""
         out = {s: 0 for s in STATUSES}

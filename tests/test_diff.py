@@ -448,3 +448,31 @@ def test_a_corrupt_rank_file_is_refused_by_its_crc_not_shown_as_a_change(fixture
     r = run_cli("verify", fixtures_root / "w2-dcp.reference", "--reference",
                 fixtures_root / "w2-dcp")
     assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_verdicts_under_tolerances_say_within_and_read_as_the_counts(fixtures_root, tmp_path):
+    """Trial C10: diff's "27 close" then "identical within atol" and verify's bare "ok" after
+    --atol read as bit for bit; the verdicts say "close within atol=... rtol=..." (diff, with
+    how many are close and how many identical) and "within atol=... rtol=..." (verify)."""
+    from shardscope.core import MergeOptions, detect, plan_merge, run_merge
+
+    src, ref = fixtures_root / "w2-qwen2-f32", fixtures_root / "w2-qwen2-f32.reference"
+    m = tmp_path / "m"
+    run_merge(plan_merge(detect(src), MergeOptions(output=str(m), dtype="bf16", workers=1)))
+    r = run(src, m, "--atol", "1e-2")
+    lines = r.stdout.strip().splitlines()
+    n = len(detect(ref).tensors)
+    assert r.returncode == 0 and lines[2] == f"{n} close (of {n} tensors)", lines
+    assert lines[-1] == (f"close within atol=0.01 rtol=0: every one of the {n} tensors "
+                         f"({n} close, 0 identical bit for bit)"), lines
+    # identical tensors under a tolerance are identical bit for bit, as the counts say
+    r = run(src, ref, "--atol", "1e-2")
+    assert r.stdout.strip().splitlines()[-1] == (
+        f"identical bit for bit: every one of the {n} tensors"), r.stdout
+    r = run_cli("verify", m, "--reference", ref, "--atol", "1e-2", "--rtol", "1e-3")
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0, r.stdout
+    assert lines[0] == f"all tensors match {ref} within atol=0.01 rtol=0.001", lines
+    assert lines[-1] == f"ok {m}: within atol=0.01 rtol=0.001 of {ref}", lines
+    r = run_cli("verify", m, "--reference", m)
+    assert r.stdout.strip().splitlines()[-1] == f"ok {m}", r.stdout

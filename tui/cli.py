@@ -781,8 +781,8 @@ def cmd_verify(args) -> int:
             console.print(t)
         else:
             console.print(f"[green]all tensors match[/] {args.reference}"
-                          + (" bit for bit" if not (args.atol or args.rtol) else ""),
-                          highlight=False)
+                          + (f" within atol={args.atol:g} rtol={args.rtol:g}"
+                             if args.atol or args.rtol else " bit for bit"), highlight=False)
         if state == "differ":
             console.print(f"[red]config.json differs[/] from {where} in {len(cfg)} key(s), "
                           "this folder's vs the reference's: "
@@ -822,11 +822,16 @@ def cmd_verify(args) -> int:
         console.print(f"[yellow]{len(warnings)} warning(s)[/] {args.path}: "
                       + ", ".join(dict.fromkeys(p.code for p in warnings))
                       + "; the weights are sound"
+                      + (f" (within atol={args.atol:g} rtol={args.rtol:g} of {args.reference})"
+                         if args.reference and (args.atol or args.rtol) else "")
                       + (", but without config.json from_pretrained cannot load the folder"
                          if any(p.code == "no-config" for p in warnings) else ""),
                       highlight=False)
         return 0
-    console.print(f"[green]ok[/] {args.path}")
+    # under tolerances the verdict says so: "ok" alone reads as bit for bit
+    within = (f": within atol={args.atol:g} rtol={args.rtol:g} of {args.reference}"
+              if args.reference and (args.atol or args.rtol) else "")
+    console.print(f"[green]ok[/] {args.path}{within}", highlight=False)
     return 0
 
 

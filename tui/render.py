@@ -133,11 +133,9 @@ def render_diff(result, console: Console, top: int = 10, every: bool = False) ->
                    else "")
             tab.add_row(lc.layer, str(lc.tensors), str(lc.changed), _g(r), bar)
         console.print(tab)
-    tol = f" within atol={result.atol:g} rtol={result.rtol:g}" if (result.atol or
-                                                                   result.rtol) else " bit for bit"
     if result.same:
-        console.print(f"[green]identical[/]{tol}: every one of the {total} tensors",
-                      highlight=False)
+        word, rest = result.same_text().split(" ", 1)
+        console.print(f"[green]{word}[/] {rest}", highlight=False)
     else:
         gained = [t for t in result.tensors if t.nonfinite]
         console.print(f"[red]different[/]: {total - counts['identical'] - counts['close']} of "

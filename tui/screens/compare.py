@@ -346,9 +346,8 @@ class CompareScreen(Screen):
         self.result = r = msg.result
         self.query_one("#diff-progress-row").display = False
         counts = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in r.counts().items() if n)
-        tol = (f" within atol={r.atol:g} rtol={r.rtol:g}" if (r.atol or r.rtol)
-               else " bit for bit")
-        head = (f"[green b]identical{tol}[/]" if r.same else "[red b]different[/]")
+        head = (f"[green b]{escape(r.same_text().split(':')[0])}[/]" if r.same
+                else "[red b]different[/]")
         gained = sum(bool(t.nonfinite) for t in r.tensors)
         if gained:
             counts += f" [red]({gained} in NaN/Inf)[/]"
