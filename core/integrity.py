@@ -318,7 +318,8 @@ def crc_error(r: StorageRecord, consequence: str = "nothing was written"
     names = r.tensors[:3] + ([f"... {len(r.tensors) - 3} more"] if len(r.tensors) > 3 else [])
     return BadCheckpointError(
         f"storage record {r.key.rsplit('/', 1)[-1]} (bytes {r.start}-{r.start + r.size}) fails "
-        f"its CRC-32, the data of {', '.join(names)} is corrupt; {consequence}", r.file)
+        f"its CRC-32, the data of {', '.join(names)} is corrupt; {consequence}", r.file,
+        code="checksum-mismatch")
 
 
 def start_check(records: list[StorageRecord], consequence: str, threads: int = 2

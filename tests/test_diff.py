@@ -476,3 +476,29 @@ def test_verdicts_under_tolerances_say_within_and_read_as_the_counts(fixtures_ro
     assert lines[-1] == f"ok {m}: within atol=0.01 rtol=0.001 of {ref}", lines
     r = run_cli("verify", m, "--reference", m)
     assert r.stdout.strip().splitlines()[-1] == f"ok {m}", r.stdout
+
+
+def test_a_refused_diff_json_prints_a_refusal_document(fixtures_root, tmp_path):
+    """Trial C9: `diff --json` refused printed nothing on stdout; like `inspect --json` it
+    prints one JSON document (refused, exit code, the error), for a usage error (a LoRA side
+    without --lora, exit 2), a path that does not exist, and a corrupt record (exit 3)."""
+    from conftest import flip_largest_storage
+
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    for args, code, kind in [((ref, fixtures_root / "w2-lora-qv"), 2, "usage"),
+                             ((ref, tmp_path / "nothing"), 2, "usage")]:
+        r = run(*args, "--json")
+        assert r.returncode == code, r.stderr
+        d = json.loads(r.stdout)
+        assert d["refused"] is True and d["exit_code"] == code and d["same"] is None
+        assert d["a"] == str(args[0]) and d["b"] == str(args[1]) and d["tensors"] == []
+        (p,) = d["problems"]
+        assert p["severity"] == "error" and p["message"] in r.stderr, (p, r.stderr)
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "flip")
+    f = ck / "model_world_size_2_rank_1.pt"
+    flip_largest_storage(f)
+    r = run(ck, ref, "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 3 and d["refused"] and d["exit_code"] == 3
+    assert d["problems"][0]["code"] == "checksum-mismatch"
+    assert d["problems"][0]["path"] == str(f)

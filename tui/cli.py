@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             # path, a --tag or --map that does not exist): scripts parse stdout
             print(json.dumps(_refusal_json(args.path, e), indent=2))
             return e.exit_code
+        if args.command == "diff" and args.json:  # the same for diff (also on stderr)
+            print(json.dumps(_diff_refusal_json(args, e), indent=2))
         print(f"shardscope: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
@@ -363,6 +365,19 @@ def _refusal_json(path: str, err) -> dict:
             "tensors": 0, "shards": [],
             "problems": [{"code": err.code, "message": err.message, "path": err.path,
                           "severity": "error"}], "notes": []}
+
+
+def _diff_refusal_json(args, err) -> dict:
+    """The ``diff --json`` document of a comparison refused (a usage error, a side that
+    cannot be read, a record that fails its CRC-32): the keys of a result with no tensors,
+    ``same`` null, ``refused: true``, the exit code and one error problem, as
+    :func:`_refusal_json`."""
+    return {"a": args.a, "b": args.b, "format_a": None, "format_b": None,
+            "atol": args.atol, "rtol": args.rtol, "same": None, "refused": True,
+            "exit_code": err.exit_code, "counts": {}, "warnings": [], "largest": [],
+            "layers": [], "tensors": [],
+            "problems": [{"code": err.code, "message": err.message, "path": err.path,
+                          "severity": "error"}]}
 
 
 def cmd_inspect(args) -> int:
