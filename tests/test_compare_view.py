@@ -377,3 +377,22 @@ async def test_a_nan_that_appears_is_said_in_the_tree_the_detail_and_the_chart(f
         rows = {line.split()[0]: line for line in chart_lines(screen) if line.strip()}
         assert rows["layers.1"].split()[1] == "NaN", rows
         assert rows["layers.0"].split()[1] == "0", rows
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_rank_file_is_refused_by_its_crc_not_shown_as_a_change(fixtures_root,
+                                                                               tmp_path):
+    """Trial A6 in the app: a flipped byte in a rank file was `embed_tokens changed 8.38e-05`;
+    the compare view refuses it, naming the file and the CRC-32 failure."""
+    from conftest import flip_largest_storage
+
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "flip")
+    f = ck / "model_world_size_2_rank_1.pt"
+    flip_largest_storage(f)
+    app = make_app(str(fixtures_root / "w2-qwen2-f32.reference"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_compare(pilot, app, ck)
+        assert screen.result is None and not screen.cancelled
+        assert "refused" in str(screen.query_one("#diff-status").render())
+        summary = " ".join(str(screen.query_one("#diff-summary").render()).split())
+        assert "fails its CRC-32" in summary and f.name in summary, summary
