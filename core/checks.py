@@ -59,3 +59,56 @@ def config_problems(layout: CheckpointLayout) -> list[Problem]:
         out.append(Problem("config-mismatch", "config.json says the embeddings are untied, but "
                            "there is no lm_head.weight", where))
     return out
+
+
+#: config.json keys that record who wrote the file, not the model
+CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "_commit_hash")
+
+
+def config_differences(dir_a: str, dir_b: str) -> list[tuple[str, object, object]] | None:
+    """The keys (dotted for nested objects, e.g. ``rope_scaling.factor``) whose values differ
+    between ``dir_a``'s and ``dir_b``'s ``config.json``, as ``(key, value in a, value in b)``
+    (a key missing on one side: :data:`MISSING` there), bookkeeping keys
+    (:data:`CONFIG_BOOKKEEPING`) left out; None when either has no readable config.json."""
+    a, b = read_config(dir_a), read_config(dir_b)
+    if a is None or b is None:
+        return None
+    out: list[tuple[str, object, object]] = []
+
+    def walk(x: dict, y: dict, prefix: str) -> None:
+        for k in list(x) + [k for k in y if k not in x]:
+            if not prefix and k in CONFIG_BOOKKEEPING:
+                continue
+            va, vb = x.get(k, MISSING), y.get(k, MISSING)
+            if isinstance(va, dict) and isinstance(vb, dict):
+                walk(va, vb, f"{prefix}{k}.")
+            elif va != vb:
+                out.append((prefix + k, va, vb))
+
+    walk(a, b, "")
+    return out
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(none)"
+
+
+#: a key one side's config.json does not have (:func:`config_differences`)
+MISSING = _Missing()
+
+
+def describe_config_differences(diffs: list[tuple[str, object, object]], limit: int = 6
+                                ) -> str:
+    """``rope_theta 500000.0 vs 1000000.0, rms_norm_eps 0.001 vs 1e-06`` (values cut at 24
+    characters; at most ``limit`` keys, then ``and N more``)."""
+    import json
+
+    def short(v) -> str:
+        s = repr(v) if v is MISSING else json.dumps(v)
+        return s if len(s) <= 24 else s[:23] + "…"
+
+    parts = [f"{k} {short(a)} vs {short(b)}" for k, a, b in diffs[:limit]]
+    if len(diffs) > limit:
+        parts.append(f"and {len(diffs) - limit} more")
+    return ", ".join(parts)

@@ -60,7 +60,14 @@ class TensorDiff:
     compared), ``only_a``/``only_b``. Statistics (float64, None when not computed or not
     finite): ``max_abs`` = max |B-A|, ``rel_change`` = ||B-A|| / ||A|| (Frobenius norms),
     ``cosine`` = <A,B> / (||A|| ||B||), ``differing`` = elements not equal (not within
-    atol/rtol), ``norm_a``/``norm_diff`` = ||A||, ||B-A|| (for per-layer sums)."""
+    atol/rtol), ``norm_a``/``norm_diff`` = ||A||, ||B-A|| (for per-layer sums).
+
+    NaN and Inf (counted when the values were decoded: ``nan_a``/``nan_b``/``inf_a``/
+    ``inf_b``): ``nan_mismatch`` = elements NaN on one side only, ``inf_mismatch`` = elements
+    +-Inf on one side only (or of the other sign), NaN aside. When either is not 0,
+    ``max_abs``, ``rel_change``, ``cosine`` and ``norm_diff`` are NaN: a difference with
+    NaN/Inf in it has no size, and the statistics of the finite rest would read as the whole
+    change (:attr:`nonfinite` says what changed)."""
 
     name: str
     status: str
@@ -75,10 +82,28 @@ class TensorDiff:
     norm_a: float | None = None
     norm_diff: float | None = None
     nan_mismatch: int = 0
+    inf_mismatch: int = 0
+    nan_a: int = 0
+    nan_b: int = 0
+    inf_a: int = 0
+    inf_b: int = 0
 
     @property
     def same(self) -> bool:
         return self.status in ("identical", "close")
+
+    @property
+    def nonfinite(self) -> str:
+        """How NaN/Inf differ between the sides, short (``+1 NaN``, ``-2 Inf``, ``3 NaN
+        moved``), or '' when they do not."""
+        parts = []
+        for kind, a, b, moved in (("NaN", self.nan_a, self.nan_b, self.nan_mismatch),
+                                  ("Inf", self.inf_a, self.inf_b, self.inf_mismatch)):
+            if a != b:
+                parts.append(f"{b - a:+d} {kind}")
+            elif moved:
+                parts.append(f"{moved} {kind} moved")
+        return ", ".join(parts)
 
     @property
     def layer(self) -> str:
@@ -92,19 +117,22 @@ class TensorDiff:
             d[k] = list(d[k]) if d[k] is not None else None
         for k in ("max_abs", "rel_change", "cosine", "norm_a", "norm_diff"):
             if d[k] is not None and not math.isfinite(d[k]):
-                d[k] = None if math.isnan(d[k]) else str(d[k])
+                d[k] = "nan" if math.isnan(d[k]) else str(d[k])
+        d["nonfinite"] = self.nonfinite or None
         return d
 
 
 @dataclass
 class LayerChange:
     """The tensors of one layer: how many, how many not identical, and the relative change of
-    the layer as a whole, sqrt(sum ||B-A||^2) / sqrt(sum ||A||^2) over its compared tensors."""
+    the layer as a whole, sqrt(sum ||B-A||^2) / sqrt(sum ||A||^2) over its compared tensors
+    (NaN when one of them gained or lost NaN/Inf: ``nonfinite`` counts those tensors)."""
 
     layer: str
     tensors: int
     changed: int
     rel_change: float | None
+    nonfinite: int = 0
 
 
 @dataclass
@@ -126,6 +154,17 @@ class DiffResult:
     def same(self) -> bool:
         return all(t.same for t in self.tensors)
 
+    def same_text(self) -> str:
+        """The verdict of a :attr:`same` result, worded as the counts are: ``identical bit
+        for bit`` when every tensor is, else ``close within atol=A rtol=R`` and how many
+        tensors are close and how many identical."""
+        c = self.counts()
+        if not c["close"]:
+            return f"identical bit for bit: every one of the {len(self.tensors)} tensors"
+        return (f"close within atol={self.atol:g} rtol={self.rtol:g}: every one of the "
+                f"{len(self.tensors)} tensors ({c['close']} close, {c['identical']} "
+                "identical bit for bit)")
+
     def counts(self) -> dict[str, int]:
         """Tensors per status (every status present, zero included)."""
         out = {s: 0 for s in STATUSES}
@@ -137,8 +176,9 @@ class DiffResult:
         """The ``n`` compared tensors with the largest relative change (then max abs diff)."""
         moved = [t for t in self.tensors if t.status in ("changed", "close", "dtype")
                  and t.differing]
-        return sorted(moved, key=lambda t: (_num(t.rel_change), _num(t.max_abs)),
-                      reverse=True)[:n]
+        # NaN/Inf that appeared or went first: their change has no size, and is the largest
+        return sorted(moved, key=lambda t: (bool(t.nonfinite), _num(t.rel_change),
+                                            _num(t.max_abs)), reverse=True)[:n]
 
     def by_layer(self) -> list[LayerChange]:
         """Per layer (``model.layers.N``, ``(other)`` last), in natural order."""
@@ -152,8 +192,11 @@ class DiffResult:
             na = math.sqrt(sum(t.norm_a ** 2 for t in comp))
             nd = math.sqrt(sum(t.norm_diff ** 2 for t in comp))
             rel = (nd / na if na else (0.0 if nd == 0 else math.inf)) if comp else None
+            if any(t.nonfinite for t in comp):
+                rel = math.nan  # NaN/Inf appeared or went: no size, never 0
             out.append(LayerChange(layer, len(ts), sum(not t.status == "identical"
-                                                       for t in ts), rel))
+                                                       for t in ts), rel,
+                                   sum(bool(t.nonfinite) for t in ts)))
         return out
 
     def to_dict(self, top: int = 10) -> dict:
@@ -174,7 +217,7 @@ def _num(x: float | None) -> float:
 def _json_num(x):
     if x is None or math.isfinite(x):
         return x
-    return None if math.isnan(x) else str(x)
+    return "nan" if math.isnan(x) else str(x)
 
 
 def output_tensors(path: str, side: SideOptions | None = None):
@@ -183,6 +226,12 @@ def output_tensors(path: str, side: SideOptions | None = None):
     located pieces, LoRA fold), planned without writing anything. Raises
     :class:`BadCheckpointError` for an unreadable or broken checkpoint, :class:`UsageError`
     when the side needs a choice (e.g. ``--lora``)."""
+    plan = _plan_side(path, side)
+    return plan.layout, list(plan.warnings), _side_tensors(plan)
+
+
+def _plan_side(path: str, side: SideOptions | None):
+    """The merge plan (not written) of one side, for :func:`output_tensors`."""
     from .formats import detect
     from .native_names import DETAIL as NATIVE
     from .plan import plan_merge
@@ -213,27 +262,40 @@ def output_tensors(path: str, side: SideOptions | None = None):
                         lora_config=side.lora_config if has_lora else None,
                         base_model=(side.base_model if has_lora and layout.lora.lora_only
                                     else None))
-    plan = plan_merge(layout, opts, writing=False)
-    tensors = {t.name: t for f in plan.files if not f.name.startswith(ADAPTER_DIR + "/")
-               for t in f.tensors}
-    return plan.layout, list(plan.warnings), tensors
+    return plan_merge(layout, opts, writing=False)
+
+
+def _side_tensors(plan) -> dict:
+    return {t.name: t for f in plan.files if not f.name.startswith(ADAPTER_DIR + "/")
+            for t in f.tensors}
 
 
 def diff_checkpoints(a: str, b: str, atol: float = 0.0, rtol: float = 0.0,
                      side_a: SideOptions | None = None, side_b: SideOptions | None = None,
                      on_progress: Callable[[int, int, str], None] | None = None,
-                     cancel: threading.Event | None = None) -> DiffResult:
+                     cancel: threading.Event | None = None, crc: bool = True) -> DiffResult:
     """Compare checkpoint ``a`` with ``b`` (any formats, any pairing), tensor by tensor.
 
     ``atol``/``rtol``: tolerances (``|B-A| <= atol + rtol*|A|`` elementwise, as
     ``torch.isclose``; 0 and 0: bit for bit). ``on_progress(done, total, name)`` after each
     tensor; ``cancel`` is checked between tensors and raises :class:`MergeCancelled` (exit
     130). Raises :class:`BadCheckpointError`/:class:`UsageError` as :func:`output_tensors`.
+    ``crc``: check the CRC-32 that ``torch.save`` records for every storage record read
+    (as ``merge`` does, in a thread overlapping the comparison): a corrupt record is a
+    :class:`BadCheckpointError` naming the file and the record, not a change.
     """
-    la, wa, ta = output_tensors(a, side_a)
+    pa = _plan_side(a, side_a)
+    la, wa, ta = pa.layout, list(pa.warnings), _side_tensors(pa)
     if cancel is not None and cancel.is_set():  # planning a side builds its model: seconds
         raise MergeCancelled("diff cancelled")
-    lb, wb, tb = output_tensors(b, side_b)
+    pb = _plan_side(b, side_b)
+    lb, wb, tb = pb.layout, list(pb.warnings), _side_tensors(pb)
+    checker = None
+    if crc:
+        from .integrity import plan_records, start_check
+
+        checker = start_check(plan_records(pa)[0] + plan_records(pb)[0],
+                              "not compared (--no-crc compares the bytes as they are)")
     warnings = [f"A: {w}" for w in wa if not w.startswith("no Hugging Face config")] + \
                [f"B: {w}" for w in wb if not w.startswith("no Hugging Face config")]
     from .read import Sources
@@ -245,12 +307,19 @@ def diff_checkpoints(a: str, b: str, atol: float = 0.0, rtol: float = 0.0,
         for i, name in enumerate(names):
             if cancel is not None and cancel.is_set():
                 raise MergeCancelled("diff cancelled")
+            if checker is not None and (checker.failed or checker.error):
+                break  # refused below
             out.append(_compare(name, ta.get(name), tb.get(name), src_a, src_b, atol, rtol))
             if on_progress:
                 on_progress(i + 1, len(names), name)
+        if checker is not None:
+            checker.result()  # raises for a record that fails its CRC-32
     finally:
         src_a.close()
         src_b.close()
+        if checker is not None and checker.is_alive():
+            checker.cancel.set()
+            checker.join()
     kinds = sorted({(t.dtype_a, t.dtype_b) for t in out if t.status == "close"
                     and t.dtype_a != t.dtype_b})
     if kinds:  # a tolerance compares values, whatever their dtypes: say that they differ
@@ -334,20 +403,27 @@ def _norm_cos_same(x) -> tuple[float, float | None]:
 
 
 def _stats(d: TensorDiff, va, vb, atol: float, rtol: float) -> None:
-    """Fill ``d``'s statistics from tensors ``va``/``vb`` (same shape), in float64 chunks."""
+    """Fill ``d``'s statistics from tensors ``va``/``vb`` (same shape), in float64 chunks:
+    over the elements finite on both sides; NaN/Inf counted per side, and the size
+    statistics NaN when they differ (see :class:`TensorDiff`)."""
     import torch
 
     fa, fb = va.reshape(-1), vb.reshape(-1)
     sa = sb = sab = sdd = 0.0
     mx = 0.0
-    bad = nanm = 0
+    bad = nanm = infm = 0
+    counts = [0, 0, 0, 0]  # NaN in A, in B, Inf in A, in B
     for i in range(0, fa.numel(), CHUNK):
         ca, cb = fa[i:i + CHUNK].double(), fb[i:i + CHUNK].double()
         na, nb = torch.isnan(ca), torch.isnan(cb)
+        ia, ib = torch.isinf(ca), torch.isinf(cb)
+        for j, m in enumerate((na, nb, ia, ib)):
+            counts[j] += int(m.sum())
         nanm += int((na != nb).sum())
+        infm += int(((ia | ib) & ~(na | nb) & (ca != cb)).sum())
         close = torch.isclose(ca, cb, rtol=rtol, atol=atol, equal_nan=True)
         bad += int((~close).sum())
-        ok = ~(na | nb)
+        ok = torch.isfinite(ca) & torch.isfinite(cb)
         ca, cb = ca[ok], cb[ok]
         dd = cb - ca
         if dd.numel():
@@ -356,11 +432,14 @@ def _stats(d: TensorDiff, va, vb, atol: float, rtol: float) -> None:
         sb += float((cb * cb).sum())
         sab += float((ca * cb).sum())
         sdd += float((dd * dd).sum())
-    d.max_abs, d.differing, d.nan_mismatch = mx, bad, nanm
+    d.max_abs, d.differing, d.nan_mismatch, d.inf_mismatch = mx, bad, nanm, infm
+    d.nan_a, d.nan_b, d.inf_a, d.inf_b = counts
     d.norm_a, d.norm_diff = math.sqrt(sa), math.sqrt(sdd)
     d.rel_change = (d.norm_diff / d.norm_a if d.norm_a else
                     (0.0 if d.norm_diff == 0 else math.inf))
     d.cosine = sab / math.sqrt(sa * sb) if sa > 0 and sb > 0 else None
+    if nanm or infm:  # not "changed by 0": the finite rest is not the change
+        d.max_abs = d.rel_change = d.cosine = d.norm_diff = math.nan
     if bad == 0 and (atol or rtol):  # across dtypes too, as verify --atol compares values
         d.status = "close"
     elif d.dtype_a != d.dtype_b:

@@ -152,6 +152,29 @@ def plan_records(plan, is_local=lambda path: True) -> tuple[list[StorageRecord],
             for p in pieces:
                 if p.numel:
                     users.setdefault(p.file, []).append((p.byte_offset, t.name))
+    return _used_records(bases, users, is_local)
+
+
+def layout_records(layout, names) -> tuple[list[StorageRecord], list[str]]:
+    """:func:`plan_records` for the stored tensors ``names`` of ``layout`` read as they are
+    (``verify --reference``: no plan), their pieces located as the reader does."""
+    bases: dict[str, list[tuple[int, int]]] = {}
+    users: dict[str, list[tuple[int, str]]] = {}
+    for name in names:
+        for p in layout.tensors[name].pieces:
+            if not p.numel:
+                continue
+            if p.archive is not None:
+                bases.setdefault(p.file, []).append((p.archive[0], p.archive[1]))
+                if layout.resolve_piece is not None:
+                    p = layout.resolve_piece(p)
+            users.setdefault(p.file, []).append((p.byte_offset, name))
+    return _used_records(bases, users, lambda path: True)
+
+
+def _used_records(bases, users, is_local) -> tuple[list[StorageRecord], list[str]]:
+    """The records of ``users`` (file -> (byte offset, tensor name) of each piece read), the
+    archives of a file at ``bases`` (file -> (start, length); else one at byte 0)."""
     records: list[StorageRecord] = []
     unchecked: list[str] = []
     directories = DirectoryCache()
@@ -247,9 +270,12 @@ class CrcChecker(threading.Thread):
     file, the record and its tensors when one fails. A failure sets ``cancel``, which stops
     the writer."""
 
-    def __init__(self, records: list[StorageRecord], cancel: threading.Event, threads: int = 1):
+    def __init__(self, records: list[StorageRecord], cancel: threading.Event, threads: int = 1,
+                 consequence: str = "nothing was written"):
         super().__init__(name="shardscope-crc", daemon=True)
         self.records, self.cancel, self.threads = records, cancel, max(1, threads)
+        #: the end of the refusal (what the failure means for the command)
+        self.consequence = consequence
         self.failed: StorageRecord | None = None
         self.error: BaseException | None = None
 
@@ -283,12 +309,26 @@ class CrcChecker(threading.Thread):
         if self.error is not None:
             raise self.error
         if self.failed is not None:
-            raise crc_error(self.failed)
+            raise crc_error(self.failed, self.consequence)
 
 
-def crc_error(r: StorageRecord) -> BadCheckpointError:
+def crc_error(r: StorageRecord, consequence: str = "nothing was written"
+              ) -> BadCheckpointError:
     """The one-line refusal for a record whose CRC-32 fails."""
     names = r.tensors[:3] + ([f"... {len(r.tensors) - 3} more"] if len(r.tensors) > 3 else [])
     return BadCheckpointError(
         f"storage record {r.key.rsplit('/', 1)[-1]} (bytes {r.start}-{r.start + r.size}) fails "
-        f"its CRC-32, the data of {', '.join(names)} is corrupt; nothing was written", r.file)
+        f"its CRC-32, the data of {', '.join(names)} is corrupt; {consequence}", r.file,
+        code="checksum-mismatch")
+
+
+def start_check(records: list[StorageRecord], consequence: str, threads: int = 2
+                ) -> CrcChecker | None:
+    """A :class:`CrcChecker` of ``records`` started on its own cancel event (``diff``,
+    ``verify --reference``: overlapping the comparison, which polls ``checker.failed``), or
+    None when there is nothing to check."""
+    if not records:
+        return None
+    checker = CrcChecker(records, threading.Event(), threads, consequence)
+    checker.start()
+    return checker

@@ -286,6 +286,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
 
     native = NATIVE in layout.details or any(p.code == "native-names-no-config"
                                              for p in layout.problems)
+    own_config = layout.config_dir  # the checkpoint's own (huggingface/), before --hf-config
     if ((layout.format.startswith("megatron") or native) and options.hf_config
             and os.path.realpath(layout.config_dir or "") != os.path.realpath(options.hf_config)):
         from .formats import detect  # the cut into Hugging Face tensors depends on the config
@@ -322,6 +323,16 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
             raise UsageError("has no config.json", options.hf_config)
         config_dir = options.hf_config
         copy = config_files(options.hf_config)
+        if own_config and Path(own_config).resolve() != Path(options.hf_config).resolve():
+            from .checks import config_differences, describe_config_differences
+
+            differ = config_differences(options.hf_config, own_config)
+            if differ:  # said: the output is not the model the run's own config describes
+                warnings.append(
+                    f"--hf-config {options.hf_config}: its config.json differs from the "
+                    f"checkpoint's own {os.path.join(own_config, 'config.json')} in "
+                    f"{len(differ)} key(s), --hf-config's vs the checkpoint's: "
+                    f"{describe_config_differences(differ)}; the output takes --hf-config's")
     derived = None
     if config_dir is None and layout.derived_config:
         derived = derived_config_json(layout.derived_config)

@@ -76,12 +76,14 @@ def architecture_problems(path: str, trust_remote_code: bool = False) -> list[Pr
 
 
 def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
-            on_tensor=None) -> list[Difference]:
+            on_tensor=None, crc: bool = True, on_layouts=None) -> list[Difference]:
     """Compare the tensors of the checkpoint at ``path`` with those at ``reference`` (any
     format the core reads): key sets, shapes, dtypes and values — bit-exact when ``atol`` and
     ``rtol`` are 0. Aliases of one tied tensor count as that tensor (:func:`tied_aliases`): a
     side holding only the kept name is compared through it. Reads one tensor at a time.
-    Raises BadCheckpointError for unreadable input.
+    Raises BadCheckpointError for unreadable input, and (``crc``, as ``merge``) for a
+    ``torch.save`` storage record whose CRC-32 fails (checked in a thread overlapping the
+    comparison): corruption is not reported as a difference.
     """
     from .formats import detect
     from .plan import natural_key
@@ -90,6 +92,8 @@ def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
     for lay in (a, b):
         if lay.errors:
             raise BadCheckpointError(lay.errors[0].message, lay.errors[0].path or lay.path)
+    if on_layouts is not None:  # e.g. the config folders, for config_comparison
+        on_layouts(a, b)
     diffs = []
     aliases = tied_aliases(a, b) if set(a.tensors) ^ set(b.tensors) else {}
 
@@ -109,7 +113,28 @@ def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
             diffs.append(Difference(n, "extra", "not in the reference"))
         else:
             pairs.append((n, na, nb))
+    checker = None
+    if crc:
+        from .integrity import layout_records, start_check
+
+        checker = start_check(layout_records(a, [na for _, na, _ in pairs])[0]
+                              + layout_records(b, [nb for _, _, nb in pairs])[0],
+                              "not compared (--no-crc compares the bytes as they are)")
+    try:
+        _compare_pairs(a, b, pairs, diffs, atol, rtol, on_tensor, checker)
+        if checker is not None:
+            checker.result()  # raises for a record that fails its CRC-32
+    finally:
+        if checker is not None and checker.is_alive():
+            checker.cancel.set()
+            checker.join()
+    return diffs
+
+
+def _compare_pairs(a, b, pairs, diffs, atol, rtol, on_tensor, checker) -> None:
     for n, na, nb in pairs:
+        if checker is not None and (checker.failed or checker.error):
+            return  # refused by the caller
         ta, tb = a.tensors[na], b.tensors[nb]
         if ta.shape != tb.shape:
             diffs.append(Difference(n, "shape", f"{ta.shape} vs {tb.shape}"))
@@ -123,7 +148,44 @@ def compare(path: str, reference: str, atol: float = 0.0, rtol: float = 0.0,
             diffs.append(Difference(n, "values", d))
         if on_tensor:
             on_tensor(n)
-    return diffs
+
+
+#: config.json's name of a stored dtype (``dtype``, older ``torch_dtype``)
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+def _stored_float_dtype(layout) -> str | None:
+    """The one floating dtype ``layout``'s tensors are stored in, or None (several, none)."""
+    kinds = {t.dtype for t in layout.tensors.values() if t.dtype in _CONFIG_DTYPES.values()}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def config_comparison(layout, reference) -> tuple[str, str, list, list]:
+    """``layout``'s config.json against ``reference``'s (two layouts): ``(state, where,
+    differences, as_tensors)``, ``state`` one of ``same``, ``differ`` (``differences``: see
+    :func:`core.checks.config_differences`), ``unchecked`` (``where`` says which side has no
+    readable config.json); ``where``: the reference's config.json otherwise. A ``dtype``
+    (``torch_dtype``) that differs as each side's stored tensors do (``merge --dtype``
+    writes both) is in ``as_tensors``, not ``differences``: the tensor comparison judges
+    it (a difference bit for bit, accepted within --atol/--rtol)."""
+    import os
+
+    from .checks import config_differences
+
+    for lay, who in ((layout, "the folder"), (reference, "the reference")):
+        if lay.config_dir is None or not os.path.isfile(os.path.join(lay.config_dir,
+                                                                      "config.json")):
+            return "unchecked", f"{who} has no config.json", [], []
+    where = os.path.join(reference.config_dir, "config.json")
+    diffs = config_differences(layout.config_dir, reference.config_dir)
+    if diffs is None:
+        return "unchecked", "a config.json is not a readable JSON object", [], []
+    stored = (_stored_float_dtype(layout), _stored_float_dtype(reference))
+    as_tensors = [d for d in diffs if d[0] in ("dtype", "torch_dtype")
+                  and (_CONFIG_DTYPES.get(str(d[1])), _CONFIG_DTYPES.get(str(d[2]))) == stored
+                  and None not in stored]
+    diffs = [d for d in diffs if d not in as_tensors]
+    return ("differ" if diffs else "same"), where, diffs, as_tensors
 
 
 def tied_aliases(*layouts) -> dict[str, str]:

@@ -346,3 +346,53 @@ def test_the_background_check_and_a_diff_build_models_in_turn(fixtures_root):
                         str(fixtures_root / "w2-qwen2-f32.reference")], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+@pytest.mark.asyncio
+async def test_a_nan_that_appears_is_said_in_the_tree_the_detail_and_the_chart(fixtures_root,
+                                                                                tmp_path):
+    """Trial A2: a NaN in B is not "changed 0" with an empty chart: the leaf, the summary,
+    the detail and the layer's chart row say NaN."""
+    from safetensors.torch import load_file, save_file
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    out = copy_checkpoint(fixtures_root / "w2-qwen2-f32.reference", tmp_path / "nan")
+    f = out / "model.safetensors"
+    t = load_file(str(f))
+    t[name] = t[name].clone()
+    t[name][0, 3] = float("nan")
+    save_file(t, str(f), metadata={"format": "pt"})
+    app = make_app(str(fixtures_root / "w2-qwen2-f32.reference"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_compare(pilot, app, out)
+        assert screen.result is not None, str(screen.query_one("#diff-summary").render())
+        tensors = leaves(screen)
+        assert "changed +1 NaN" in tensors[name][1]
+        assert screen.rows()[0] == name
+        summary = " ".join(str(screen.query_one("#diff-summary").render()).split())
+        assert "1 changed" in summary and "(1 in NaN/Inf)" in summary
+        detail = " ".join(str(screen.query_one("#diff-detail").render()).split())
+        assert "max |B-A| nan" in detail and "cosine nan" in detail
+        assert "NaN/Inf differ: +1 NaN (NaN A 0 B 1" in detail
+        rows = {line.split()[0]: line for line in chart_lines(screen) if line.strip()}
+        assert rows["layers.1"].split()[1] == "NaN", rows
+        assert rows["layers.0"].split()[1] == "0", rows
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_rank_file_is_refused_by_its_crc_not_shown_as_a_change(fixtures_root,
+                                                                               tmp_path):
+    """Trial A6 in the app: a flipped byte in a rank file was `embed_tokens changed 8.38e-05`;
+    the compare view refuses it, naming the file and the CRC-32 failure."""
+    from conftest import flip_largest_storage
+
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "flip")
+    f = ck / "model_world_size_2_rank_1.pt"
+    flip_largest_storage(f)
+    app = make_app(str(fixtures_root / "w2-qwen2-f32.reference"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_compare(pilot, app, ck)
+        assert screen.result is None and not screen.cancelled
+        assert "refused" in str(screen.query_one("#diff-status").render())
+        summary = " ".join(str(screen.query_one("#diff-summary").render()).split())
+        assert "fails its CRC-32" in summary and f.name in summary, summary

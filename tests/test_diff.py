@@ -334,3 +334,171 @@ def test_bin_folders_pt_files_and_float8_sides(formats_root, tmp_path, capsys):
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     code, d = diff_json(formats_root / "bin-sharded", bad)
     assert code == 1 and [x["name"] for x in d["tensors"] if x["status"] != "identical"] == [name]
+
+
+def test_a_nan_that_appears_is_said_never_a_change_of_zero(fixtures_root, tmp_path):
+    """A NaN in B (trial A2): not "changed, max |B-A| 0, rel 0, cosine 1"; the NaN counts that
+    differ are said in the table, the JSON and the layer chart, and a NaN beside a real change
+    (1e6) does not leave that change's size reported as the whole."""
+    norm, mlp = "model.norm.weight", "model.layers.1.mlp.down_proj.weight"
+
+    def nan(t):
+        t[norm] = t[norm].clone()
+        t[norm][3] = float("nan")
+        t[mlp] = t[mlp].clone()
+        t[mlp][0, 0] = float("nan")
+        t[mlp][1, 1] = 1e6
+
+    out = _damaged(fixtures_root, tmp_path, nan)
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    code, d = diff_json(ref, out)
+    assert code == 1
+    t = by_name(d)
+    for name in (norm, mlp):
+        assert t[name]["status"] == "changed" and t[name]["nan_mismatch"] == 1
+        assert (t[name]["nan_a"], t[name]["nan_b"]) == (0, 1)
+        assert t[name]["nonfinite"] == "+1 NaN"
+        assert t[name]["max_abs"] == t[name]["rel_change"] == t[name]["cosine"] == "nan"
+    assert set(d["largest"][:2]) == {mlp, norm}  # first: a NaN has no size, never small
+    layers = {lay["layer"]: lay for lay in d["layers"]}
+    assert layers["model.layers.1"]["nonfinite"] == 1
+    assert layers["model.layers.1"]["rel_change"] == "nan"
+    assert layers["model.layers.0"]["rel_change"] == 0.0
+    # NaN and A alike (A's NaN gone in B)
+    code, d = diff_json(out, ref)
+    assert by_name(d)[norm]["nonfinite"] == "-1 NaN"
+    r = run(ref, out)
+    assert r.returncode == 1, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.split("│")[1:2]
+               and line.split("│")[1].strip() == norm)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert cells == [norm, "changed", "nan", "nan", "nan", "1/64", "+1 NaN"], cells
+    layer1 = next(line for line in r.stdout.splitlines() if "model.layers.1 " in line)
+    assert "nan" in layer1 and "NaN/Inf in 1 tensor(s)" in layer1
+    assert "2 of them in NaN/Inf" in r.stdout.splitlines()[-1]
+
+
+def test_an_inf_that_appears_is_said(fixtures_root, tmp_path):
+    norm = "model.norm.weight"
+
+    def inf(t):
+        t[norm] = t[norm].clone()
+        t[norm][0] = float("inf")
+        t[norm][1] = float("-inf")
+
+    out = _damaged(fixtures_root, tmp_path, inf)
+    code, d = diff_json(fixtures_root / "w2-qwen2-f32.reference", out)
+    t = by_name(d)[norm]
+    assert code == 1 and t["inf_mismatch"] == 2 and t["nonfinite"] == "+2 Inf"
+    assert t["max_abs"] == "nan"
+    # an Inf on both sides at the same place is equal: not a change, and no nan statistics
+    code, d = diff_json(out, out)
+    assert code == 0 and by_name(d)[norm]["status"] == "identical"
+
+
+def _flip_dcp_chunk(ck):
+    """Flip a byte in the middle of the largest DCP chunk's data; its tensor's name."""
+    from shardscope.core import detect
+
+    layout = detect(ck)
+    name, t = max(layout.tensors.items(), key=lambda kv: kv[1].pieces[0].nbytes)
+    located = layout.resolve_piece(t.pieces[0])
+    with open(located.file, "r+b") as fh:
+        pos = located.byte_offset + located.nbytes // 2
+        fh.seek(pos)
+        b = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([b[0] ^ 0x5A]))
+    return name, located.file
+
+
+def test_a_corrupt_rank_file_is_refused_by_its_crc_not_shown_as_a_change(fixtures_root,
+                                                                         tmp_path):
+    """Trial A6: diff and verify --reference check the CRC-32 of torch.save records, as
+    merge does: a flipped byte is corruption naming the file and the record (exit 3), not a
+    change from training; --no-crc compares the bytes as they are."""
+    from conftest import flip_largest_storage
+
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "flip")
+    f = ck / "model_world_size_2_rank_1.pt"
+    flip_largest_storage(f)
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    for args in ((ck, ref), (ref, ck)):
+        r = run(*args)
+        assert r.returncode == 3 and r.stdout == "", (r.stdout, r.stderr)
+        assert r.stderr.count("\n") == 1 and str(f) in r.stderr, r.stderr
+        assert "storage record" in r.stderr and "fails its CRC-32" in r.stderr
+        assert "not compared (--no-crc" in r.stderr
+    r = run(ck, ref, "--no-crc")
+    assert r.returncode == 1 and "different: 1 of" in r.stdout, r.stdout
+    r = run_cli("verify", ref, "--reference", ck)
+    assert r.returncode == 3 and str(f) in r.stderr and "fails its CRC-32" in r.stderr, \
+        (r.stdout, r.stderr)
+    assert "differ" not in r.stdout
+    r = run_cli("verify", ref, "--reference", ck, "--no-crc")
+    assert r.returncode == 1 and "not ok" in r.stdout
+    # a DCP chunk (a torch.save archive inside a .distcp file) too
+    dcp = copy_checkpoint(fixtures_root / "w2-dcp", tmp_path / "dcp")
+    name, f = _flip_dcp_chunk(dcp)
+    r = run(dcp, fixtures_root / "w2-dcp.reference")
+    assert r.returncode == 3 and f in r.stderr and name in r.stderr, r.stderr
+    r = run_cli("verify", fixtures_root / "w2-dcp.reference", "--reference", dcp)
+    assert r.returncode == 3 and f in r.stderr and "fails its CRC-32" in r.stderr, r.stderr
+    # an intact pair is not refused
+    r = run_cli("verify", fixtures_root / "w2-dcp.reference", "--reference",
+                fixtures_root / "w2-dcp")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_verdicts_under_tolerances_say_within_and_read_as_the_counts(fixtures_root, tmp_path):
+    """Trial C10: diff's "27 close" then "identical within atol" and verify's bare "ok" after
+    --atol read as bit for bit; the verdicts say "close within atol=... rtol=..." (diff, with
+    how many are close and how many identical) and "within atol=... rtol=..." (verify)."""
+    from shardscope.core import MergeOptions, detect, plan_merge, run_merge
+
+    src, ref = fixtures_root / "w2-qwen2-f32", fixtures_root / "w2-qwen2-f32.reference"
+    m = tmp_path / "m"
+    run_merge(plan_merge(detect(src), MergeOptions(output=str(m), dtype="bf16", workers=1)))
+    r = run(src, m, "--atol", "1e-2")
+    lines = r.stdout.strip().splitlines()
+    n = len(detect(ref).tensors)
+    assert r.returncode == 0 and lines[2] == f"{n} close (of {n} tensors)", lines
+    assert lines[-1] == (f"close within atol=0.01 rtol=0: every one of the {n} tensors "
+                         f"({n} close, 0 identical bit for bit)"), lines
+    # identical tensors under a tolerance are identical bit for bit, as the counts say
+    r = run(src, ref, "--atol", "1e-2")
+    assert r.stdout.strip().splitlines()[-1] == (
+        f"identical bit for bit: every one of the {n} tensors"), r.stdout
+    r = run_cli("verify", m, "--reference", ref, "--atol", "1e-2", "--rtol", "1e-3")
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0, r.stdout
+    assert lines[0] == f"all tensors match {ref} within atol=0.01 rtol=0.001", lines
+    assert lines[-1] == f"ok {m}: within atol=0.01 rtol=0.001 of {ref}", lines
+    r = run_cli("verify", m, "--reference", m)
+    assert r.stdout.strip().splitlines()[-1] == f"ok {m}", r.stdout
+
+
+def test_a_refused_diff_json_prints_a_refusal_document(fixtures_root, tmp_path):
+    """Trial C9: `diff --json` refused printed nothing on stdout; like `inspect --json` it
+    prints one JSON document (refused, exit code, the error), for a usage error (a LoRA side
+    without --lora, exit 2), a path that does not exist, and a corrupt record (exit 3)."""
+    from conftest import flip_largest_storage
+
+    ref = fixtures_root / "w2-qwen2-f32.reference"
+    for args, code, kind in [((ref, fixtures_root / "w2-lora-qv"), 2, "usage"),
+                             ((ref, tmp_path / "nothing"), 2, "usage")]:
+        r = run(*args, "--json")
+        assert r.returncode == code, r.stderr
+        d = json.loads(r.stdout)
+        assert d["refused"] is True and d["exit_code"] == code and d["same"] is None
+        assert d["a"] == str(args[0]) and d["b"] == str(args[1]) and d["tensors"] == []
+        (p,) = d["problems"]
+        assert p["severity"] == "error" and p["message"] in r.stderr, (p, r.stderr)
+    ck = copy_checkpoint(fixtures_root / "w2-qwen2-f32", tmp_path / "flip")
+    f = ck / "model_world_size_2_rank_1.pt"
+    flip_largest_storage(f)
+    r = run(ck, ref, "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 3 and d["refused"] and d["exit_code"] == 3
+    assert d["problems"][0]["code"] == "checksum-mismatch"
+    assert d["problems"][0]["path"] == str(f)

@@ -34,7 +34,8 @@ def test_verify_with_differences_ends_with_a_verdict(fixtures_root, tmp_path, mo
     assert last == (f"not ok {out}: {n} tensor(s) differ from {ref} ({n} dtype, {n} values); "
                     "the dtypes differ: compare values with --atol/--rtol"), last
     r = cli("verify", out, "--reference", ref, "--atol", "1e-2", "--rtol", "1e-2")
-    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == f"ok {out}", r.stdout
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == (
+        f"ok {out}: within atol=0.01 rtol=0.01 of {ref}"), r.stdout
     # another model's weights: values differ, same dtypes, no hint about tolerances
     r = cli("verify", out, "--reference", fixtures_root / "w2-qwen2-bf16-tied.reference")
     last = r.stdout.strip().splitlines()[-1]

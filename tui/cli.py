@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--trust-remote-code", action="store_true",
                    help="let the check of the weights against the config's model build a "
                         "class that only the folder's own code defines (runs that code)")
+    v.add_argument("--no-crc", dest="crc", action="store_false",
+                   help="with --reference: skip the CRC-32 check of the torch.save storage "
+                        "records read (on by default, as merge)")
 
     d = sub.add_parser("diff", help="compare two checkpoints of any formats, tensor by tensor "
                                     "(exit 0 identical, 1 different)")
@@ -173,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lora-config", metavar="FILE", help="the adapter's adapter_config.json")
     d.add_argument("--base-model", metavar="DIR",
                    help="the base weights of a side holding the LoRA adapter only")
+    d.add_argument("--no-crc", dest="crc", action="store_false",
+                   help="skip the CRC-32 check of the torch.save storage records read (on by "
+                        "default, as merge: a corrupt record is refused, not shown as a change)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress display")
 
     u = sub.add_parser("upload", help="upload a merged folder to a Hugging Face Hub repository "
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             # path, a --tag or --map that does not exist): scripts parse stdout
             print(json.dumps(_refusal_json(args.path, e), indent=2))
             return e.exit_code
+        if args.command == "diff" and args.json:  # the same for diff (also on stderr)
+            print(json.dumps(_diff_refusal_json(args, e), indent=2))
         print(f"shardscope: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
@@ -403,6 +411,19 @@ def _refusal_json(path: str, err) -> dict:
             "tensors": 0, "shards": [],
             "problems": [{"code": err.code, "message": err.message, "path": err.path,
                           "severity": "error"}], "notes": []}
+
+
+def _diff_refusal_json(args, err) -> dict:
+    """The ``diff --json`` document of a comparison refused (a usage error, a side that
+    cannot be read, a record that fails its CRC-32): the keys of a result with no tensors,
+    ``same`` null, ``refused: true``, the exit code and one error problem, as
+    :func:`_refusal_json`."""
+    return {"a": args.a, "b": args.b, "format_a": None, "format_b": None,
+            "atol": args.atol, "rtol": args.rtol, "same": None, "refused": True,
+            "exit_code": err.exit_code, "counts": {}, "warnings": [], "largest": [],
+            "layers": [], "tensors": [],
+            "problems": [{"code": err.code, "message": err.message, "path": err.path,
+                          "severity": "error"}]}
 
 
 def cmd_inspect(args) -> int:
@@ -805,12 +826,35 @@ def cmd_verify(args) -> int:
     errors = [p for p in problems if p.severity == "error"]
     warnings = [p for p in problems if p.severity != "error"]
     if args.reference and not errors:  # a folder with errors is not ok, whatever its values
-        diffs = compare(args.path, args.reference, args.atol, args.rtol)
+        from shardscope.core.checks import describe_config_differences
+        from shardscope.core.verify import config_comparison
+
+        layouts = []
+        diffs = compare(args.path, args.reference, args.atol, args.rtol, crc=args.crc,
+                        on_layouts=lambda a, b: layouts.extend((a, b)))
+        # config.json too: "ok" after --reference reads as "the same model"
+        state, where, cfg, as_tensors = config_comparison(*layouts)
+        cfg_keys = ", ".join(k for k, _, _ in cfg or ())
         if diffs:
             t = Table("tensor", "difference", "detail", title="differences from the reference")
             for d in diffs:
                 t.add_row(d.name, d.kind, d.detail)
             console.print(t)
+        else:
+            console.print(f"[green]all tensors match[/] {args.reference}"
+                          + (f" within atol={args.atol:g} rtol={args.rtol:g}"
+                             if args.atol or args.rtol else " bit for bit"), highlight=False)
+        if state == "differ":
+            console.print(f"[red]config.json differs[/] from {where} in {len(cfg)} key(s), "
+                          "this folder's vs the reference's: "
+                          + describe_config_differences(cfg), highlight=False)
+        elif state == "same":
+            console.print(f"config.json matches {where}"
+                          + (f" but for {describe_config_differences(as_tensors)}, as the "
+                             "tensors' dtypes" if as_tensors else ""), highlight=False)
+        else:
+            console.print(f"[yellow]config.json not compared[/]: {where}", highlight=False)
+        if diffs or state == "differ":
             # the verdict names what differs (never the table's border as the last word)
             kinds = {}
             for d in diffs:
@@ -818,15 +862,17 @@ def cmd_verify(args) -> int:
             tensors = len(dict.fromkeys(d.name for d in diffs))
             hint = ("; the dtypes differ: compare values with --atol/--rtol"
                     if "dtype" in kinds and not (args.atol or args.rtol) else "")
+            what = ([f"{tensors} tensor(s) differ from {args.reference} ("
+                     + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"] if diffs else [])
+            if state == "differ":
+                what.append(f"config.json differs from {args.reference}'s ({cfg_keys})"
+                            if not diffs else f"config.json differs ({cfg_keys})")
             console.print(
-                f"[red]not ok[/] {args.path}: {tensors} tensor(s) differ from {args.reference} ("
-                + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
+                f"[red]not ok[/] {args.path}: " + " and ".join(what)
                 + (f" and {len(errors)} error(s) ("
                    + ", ".join(dict.fromkeys(p.code for p in errors)) + ")" if errors else "")
                 + hint, highlight=False)
             return 1
-        console.print(f"[green]all tensors match[/] {args.reference}"
-                      + (" bit for bit" if not (args.atol or args.rtol) else ""))
     if errors:
         console.print(f"[red]not ok[/] {args.path}: {len(errors)} error(s) ("
                       + ", ".join(dict.fromkeys(p.code for p in errors)) + ")"
@@ -838,11 +884,16 @@ def cmd_verify(args) -> int:
         console.print(f"[yellow]{len(warnings)} warning(s)[/] {args.path}: "
                       + ", ".join(dict.fromkeys(p.code for p in warnings))
                       + "; the weights are sound"
+                      + (f" (within atol={args.atol:g} rtol={args.rtol:g} of {args.reference})"
+                         if args.reference and (args.atol or args.rtol) else "")
                       + (", but without config.json from_pretrained cannot load the folder"
                          if any(p.code == "no-config" for p in warnings) else ""),
                       highlight=False)
         return 0
-    console.print(f"[green]ok[/] {args.path}")
+    # under tolerances the verdict says so: "ok" alone reads as bit for bit
+    within = (f": within atol={args.atol:g} rtol={args.rtol:g} of {args.reference}"
+              if args.reference and (args.atol or args.rtol) else "")
+    console.print(f"[green]ok[/] {args.path}{within}", highlight=False)
     return 0
 
 
@@ -876,10 +927,10 @@ def cmd_diff(args) -> int:
                                 description=f"comparing {name}")
 
                 result = diff_checkpoints(args.a, args.b, args.atol, args.rtol, side, side,
-                                          on_progress=update, cancel=cancel)
+                                          on_progress=update, cancel=cancel, crc=args.crc)
         else:
             result = diff_checkpoints(args.a, args.b, args.atol, args.rtol, side, side,
-                                      cancel=cancel)
+                                      cancel=cancel, crc=args.crc)
     except (KeyboardInterrupt, MergeCancelled):
         cancel.set()
         print("shardscope: interrupted", file=sys.stderr)

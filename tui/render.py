@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from shardscope.core import CheckpointLayout
 from shardscope.tui.format import human_bytes as _human
@@ -100,14 +103,19 @@ def render_diff(result, console: Console, top: int = 10, every: bool = False) ->
     if rows:
         tab = Table(title="every tensor" if every else "largest changes")
         tab.add_column("tensor", no_wrap=True, min_width=max(len(t.name) for t in rows))
-        for c in ("status", "max |B-A|", "||B-A||/||A||", "cosine", "differ"):
+        # a NaN/Inf column when one appeared or went (the sizes are nan then, not 0)
+        nonfinite = any(t.nonfinite for t in rows)
+        for c in ("status", "max |B-A|", "||B-A||/||A||", "cosine", "differ") + (
+                ("NaN/Inf",) if nonfinite else ()):
             tab.add_column(c, no_wrap=True, justify="left" if c == "status" else "right")
         for t in rows:
             n = 1
             for s in (t.shape_a or ()):
                 n *= s
             tab.add_row(t.name, t.status, _g(t.max_abs), _g(t.rel_change), _g(t.cosine),
-                        "-" if t.differing is None else f"{t.differing}/{n}")
+                        "-" if t.differing is None else f"{t.differing}/{n}",
+                        *((Text(t.nonfinite or "-", style="red" if t.nonfinite else ""),)
+                          if nonfinite else ()))
         console.print(tab)
     layers = result.by_layer()
     if not result.same and len(layers) > 1:
@@ -117,15 +125,20 @@ def render_diff(result, console: Console, top: int = 10, every: bool = False) ->
         tab = Table("layer", "tensors", "changed", "||B-A||/||A||", "", title="change by layer")
         for lc in layers:
             r = lc.rel_change
-            bar = ("#" * max(1, round(20 * r / peak)) if r and peak and r != float("inf")
+            if lc.nonfinite:  # NaN/Inf appeared or went: said, never a 0 or no bar
+                tab.add_row(lc.layer, str(lc.tensors), str(lc.changed), _g(r),
+                            Text(f"NaN/Inf in {lc.nonfinite} tensor(s)", style="red"))
+                continue
+            bar = ("#" * max(1, round(20 * r / peak)) if r and peak and math.isfinite(r)
                    else "")
             tab.add_row(lc.layer, str(lc.tensors), str(lc.changed), _g(r), bar)
         console.print(tab)
-    tol = f" within atol={result.atol:g} rtol={result.rtol:g}" if (result.atol or
-                                                                   result.rtol) else " bit for bit"
     if result.same:
-        console.print(f"[green]identical[/]{tol}: every one of the {total} tensors",
-                      highlight=False)
+        word, rest = result.same_text().split(" ", 1)
+        console.print(f"[green]{word}[/] {rest}", highlight=False)
     else:
+        gained = [t for t in result.tensors if t.nonfinite]
         console.print(f"[red]different[/]: {total - counts['identical'] - counts['close']} of "
-                      f"{total} tensors differ", highlight=False)
+                      f"{total} tensors differ"
+                      + (f", {len(gained)} of them in NaN/Inf" if gained else ""),
+                      highlight=False)

@@ -102,6 +102,8 @@ def change_rank(t) -> tuple[int, float]:
     """Sort key of a :class:`core.diff.TensorDiff`, larger first: tensors on one side only,
     then shape, then dtype differences, then by relative change (infinite above finite)."""
     r = t.rel_change
+    if t.nonfinite:  # NaN/Inf appeared or went: above every finite change
+        return _KIND.get(t.status, 1), math.inf
     return _KIND.get(t.status, 1), (-1.0 if r is None or math.isnan(r) else r)
 
 
@@ -112,6 +114,8 @@ def _g(x: float | None) -> str:
 def verdict(t) -> str:
     """Rich markup of a tensor's verdict (short, for a tree leaf)."""
     s = t.status
+    if t.nonfinite and s in ("changed", "close", "dtype"):  # no size to show: what changed
+        return f"[red]{s} {t.nonfinite}[/]"
     if s == "identical":
         return "[green]identical[/]"
     if s == "close":
@@ -149,6 +153,9 @@ def detail_text(t) -> str:
         differ = "-" if t.differing is None else f"{t.differing}/{n}"
         lines.append(f"max |B-A| {_g(t.max_abs)}  ||B-A||/||A|| {_g(t.rel_change)}  "
                      f"cosine {_g(t.cosine)}  differ {differ}")
+        if t.nonfinite:
+            lines.append(f"[red]NaN/Inf differ: {t.nonfinite}[/] (NaN A {t.nan_a} B {t.nan_b}, "
+                         f"Inf A {t.inf_a} B {t.inf_b})")
     return "\n".join(lines)
 
 
@@ -170,7 +177,8 @@ def layer_chart(result) -> tuple[Table, str | None]:
     """(a Rich table of one row per layer: name, ||B-A||/||A|| and a bar scaled to the
     largest finite change, the layer that moved most, or None when none moved). Layers whose
     tensors could not be compared (shape, one side only) show ``-`` and no bar; an infinite
-    change (||A|| = 0) shows ``inf`` and a full red bar."""
+    change (||A|| = 0) shows ``inf`` and a layer whose tensors gained or lost NaN/Inf shows
+    ``NaN``, each with a full red bar."""
     layers = result.by_layer()
     finite = [lc.rel_change for lc in layers if lc.rel_change is not None
               and math.isfinite(lc.rel_change)]
@@ -188,7 +196,10 @@ def layer_chart(result) -> tuple[Table, str | None]:
         r = lc.rel_change
         mark = top is not None and lc.layer == top.layer
         style = "bold red" if mark else ""
-        if r is None or math.isnan(r):
+        if lc.nonfinite:
+            table.add_row(Text(name, style=style), Text("NaN", style="red"),
+                          Bar(1, 0, 1, color="red"))
+        elif r is None or math.isnan(r):
             table.add_row(Text(name, style=style), "-", "")
         elif not math.isfinite(r):
             table.add_row(Text(name, style=style), "inf", Bar(1, 0, 1, color="red"))
@@ -335,9 +346,11 @@ class CompareScreen(Screen):
         self.result = r = msg.result
         self.query_one("#diff-progress-row").display = False
         counts = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in r.counts().items() if n)
-        tol = (f" within atol={r.atol:g} rtol={r.rtol:g}" if (r.atol or r.rtol)
-               else " bit for bit")
-        head = (f"[green b]identical{tol}[/]" if r.same else "[red b]different[/]")
+        head = (f"[green b]{escape(r.same_text().split(':')[0])}[/]" if r.same
+                else "[red b]different[/]")
+        gained = sum(bool(t.nonfinite) for t in r.tensors)
+        if gained:
+            counts += f" [red]({gained} in NaN/Inf)[/]"
         warn = "".join(f"\n[yellow]warning:[/] {escape(w)}" for w in r.warnings)
         a, b = side_names(r.a, r.b)
         self.query_one("#diff-summary", Static).update(
