@@ -101,6 +101,15 @@ def _records_of(path: str, bases: list[tuple[int, int]], directories=None
         mm.close()
 
 
+def storage_crcs(path: str, directories=None) -> dict[int, tuple[int, int]]:
+    """The storage records of the ``torch.save`` file ``path`` as recorded in its zip
+    directory (no data read): byte where each record's data starts -> (size in bytes,
+    CRC-32). Empty for a file that is not a zip archive or cannot be read. ``directories``:
+    as for :func:`_records_of`."""
+    return {start: (size, crc)
+            for start, size, crc, _ in _records_of(path, [(0, -1)], directories) or ()}
+
+
 def _is_data(name: str) -> bool:
     """A storage entry of a ``torch.save`` archive: ``<prefix>/data/<key>``."""
     return "/data/" in name or name.startswith("data/")

@@ -439,17 +439,25 @@ def test_hsdp_rank_file_of_another_run_found_by_deep(fixtures_root, tmp_path):
     assert r.returncode == 3 and "replica-mismatch" in r.stdout, r.stdout
     assert "model_world_size_4_rank_2.pt" in r.stdout and "rank_0.pt" in r.stdout
     r = run_cli("merge", "--deep", ck, "-o", tmp_path / "out", cwd=ROOT)
-    assert r.returncode == 3 and "replicas that should hold the same bytes" in r.stderr, r.stderr
+    # (the plain read finds these replicas apart already: the test below)
+    assert r.returncode == 3 and "its HSDP replica" in r.stderr, r.stderr
     assert "inspect --deep" in r.stderr and not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="breaker D2: without --deep, HSDP replicas are compared "
-                   "only when a rank file is missing (a cheap check: equal CRC-32 of replica "
-                   "records in the zip directories)")
 def test_hsdp_rank_file_of_another_run_with_every_rank_present(fixtures_root, tmp_path):
-    """The plain merge takes rank 0's bytes and says nothing."""
+    """The plain read compares the replicas' storage records by the CRC-32 of their zip
+    directories (the merge took rank 0's bytes and said nothing): one replica-mismatch naming
+    both files, and the merge refuses; the sound checkpoint has none."""
+    assert not [p for p in detect(fixtures_root / "w4-hsdp").problems
+                if p.code == "replica-mismatch"]
     ck = _hsdp_rank0_of_another_run(fixtures_root, tmp_path)
-    assert any(p.code == "replica-mismatch" for p in detect(ck).problems)
+    found = [p for p in detect(ck).problems if p.code == "replica-mismatch"]
+    assert len(found) == 1 and found[0].severity == "error", found
+    assert Path(found[0].path).name == "model_world_size_4_rank_0.pt"
+    assert "model_world_size_4_rank_2.pt" in found[0].message
+    r = run_cli("merge", ck, "-o", tmp_path / "out", cwd=ROOT)
+    assert r.returncode == 3 and "rank_2.pt, its HSDP replica" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_dcp_safetensors_piece_of_another_dtype(fixtures_root, tmp_path):

@@ -838,6 +838,41 @@ def _serve_from_replicas(layout: CheckpointLayout, b: _Builder, world: int,
                         f"{len(b.copies)} replica copies present agree byte for byte")
 
 
+def _replicas_disagreeing(layout: CheckpointLayout, copies: list[tuple[str, Piece, Piece]],
+                          directories=None) -> None:
+    """HSDP replicas whose storage records differ: for each replica copy that fills a whole
+    storage record (a DTensor's local shard is saved as its own storage), the two records'
+    CRC-32 in the zip directories (no data read; the CRC-32 is of the record's bytes, so two
+    copies of one shard agree). A rank file of another run, or changed since, is then a
+    ``replica-mismatch`` error naming both files: the merge would take one of the two at
+    random. A copy that is a view into a larger storage is left to ``--deep``
+    (:mod:`core.deep`), which compares the bytes."""
+    from ..integrity import storage_crcs
+
+    records: dict[str, dict[int, tuple[int, int]]] = {}
+
+    def record(p: Piece):
+        if p.file not in records:
+            records[p.file] = storage_crcs(p.file, directories)
+        return records[p.file].get(p.byte_offset)
+
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for name, a, c in copies:
+        if a.file == c.file or a.archive is not None or c.archive is not None:
+            continue
+        ra, rc = record(a), record(c)
+        if (ra is None or rc is None or ra[0] != a.nbytes or rc[0] != c.nbytes
+                or ra[1] == rc[1]):
+            continue
+        pairs.setdefault(tuple(sorted((a.file, c.file))), []).append(name)
+    for (fa, fc), names in sorted(pairs.items()):
+        layout.problems.append(Problem(
+            "replica-mismatch", f"holds other values than {Path(fc).name}, its HSDP replica, "
+            f"for {len(names)} tensor(s) (e.g. {names[0]}; their storage records' CRC-32 "
+            "differ): one of the two is from another run or was changed since; the merge "
+            "would take one of them", fa))
+
+
 def _disagreeing_copies(copies: list[tuple[str, Piece, Piece]]) -> list[str]:
     """Names of tensors whose replica pieces differ in their bytes (contiguous pieces are
     compared as raw bytes; others element row by row through their strides)."""
@@ -1064,6 +1099,8 @@ def read(path: str, present_only: bool = False) -> CheckpointLayout:
     # copies of one place on the ranks read (HSDP replicas, replicated buffers): the union's
     # judgement compares them (core/distributed.py), and so does --deep (core/deep.py)
     layout.replica_copies = b.copies
+    if replica_dims and not unreadable and not present_only and not n_missing:
+        _replicas_disagreeing(layout, b.copies, directories)  # (missing: _serve_from_replicas)
     if present_only:  # for the union's judgement (core/distributed.py)
         layout.keys_by_rank = b.keys_by_rank  # the key check
         layout.kinds_by_dim = b.kinds_by_dim()  # which mesh dims only replicate (HSDP)
