@@ -690,15 +690,17 @@ def run_merge(plan: MergePlan, on_progress: Callable[[MergeProgress], None] | No
     t0 = time.perf_counter()
     w = _Writer(plan, on_progress, cancel, log, sources)
     checker, crc_records, unchecked = None, [], []
+    # one try from the folder's creation on: an interrupt that lands as mkdir returns (or in
+    # the CRC listing, which takes a while) removes ``tmp`` too
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    except OSError as e:
-        w.src.close()
-        raise UsageError(f"cannot write beside the output: {e.strerror}", str(out)) from None
-    try:  # from here on an interrupt removes ``tmp`` too (the CRC listing takes a while)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            raise UsageError(f"cannot write beside the output: {e.strerror}",
+                             str(out)) from None
         if getattr(opts, "crc", True):
             from .integrity import CrcChecker, plan_records
 
