@@ -187,12 +187,21 @@ def tie_word_embeddings(config_dir: str | None, trust_remote_code: bool = False)
     cfg = read_config(config_dir)
     if cfg is None:
         return None
-    for c in (cfg, cfg.get("text_config") or {}):
-        if "tie_word_embeddings" in c:
-            return bool(c["tie_word_embeddings"])
+    tied = _tie_in(cfg)
+    if tied is not None:
+        return tied
     from .judge import default_tie_word_embeddings
 
     return default_tie_word_embeddings(config_dir, trust_remote_code)
+
+
+def _tie_in(cfg: dict | None) -> bool | None:
+    """``tie_word_embeddings`` as config fields ``cfg`` set it (or their ``text_config``, a
+    vision-language model's), else None; nothing imported."""
+    for c in (cfg or {}, (cfg or {}).get("text_config") or {}):
+        if isinstance(c, dict) and "tie_word_embeddings" in c:
+            return bool(c["tie_word_embeddings"])
+    return None
 
 
 #: files a folder made by a merge holds; --overwrite replaces only folders holding nothing else
@@ -323,7 +332,7 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
             raise UsageError("has no config.json", options.hf_config)
         config_dir = options.hf_config
         copy = config_files(options.hf_config)
-        if own_config and Path(own_config).resolve() != Path(options.hf_config).resolve():
+        if own_config and os.path.realpath(own_config) != os.path.realpath(options.hf_config):
             from .checks import config_differences, describe_config_differences
 
             differ = config_differences(options.hf_config, own_config)
@@ -388,14 +397,15 @@ def plan_merge(layout: CheckpointLayout, options: MergeOptions,
     if speculative:
         mapping, memory_names, verdict, question = _guessed(
             layout if base_layout is None else base_layout, mapping, config_dir, options)
-    elif config_dir is not None:  # tied copies save_pretrained drops must be copies indeed
-        from .judge import tied_aliases
+    else:
+        if config_dir is not None:  # tied copies save_pretrained drops must be copies indeed
+            from .judge import tied_aliases
 
-        for alias, kept in tied_aliases(config_dir, options.trust_remote_code).items():
-            if alias in mapping and kept in mapping:
-                _check_tied(_source(mapping[alias], sources), _source(mapping[kept], sources),
-                            alias, kept, resolver, layout.path)
-    if not speculative:
+            for alias, kept in tied_aliases(config_dir, options.trust_remote_code).items():
+                if alias in mapping and kept in mapping:
+                    _check_tied(_source(mapping[alias], sources),
+                                _source(mapping[kept], sources), alias, kept, resolver,
+                                layout.path)
         # in-memory names -> the names and tensors save_pretrained writes (fused experts cut)
         mapping, memory_names = hf_names.saved_mapping(
             layout if base_layout is None else base_layout, mapping, config_dir,
@@ -525,12 +535,7 @@ def _guessed(layout: CheckpointLayout, mapping: dict, config_dir: str | None,
     of the names."""
     from .judge import Verdict
 
-    cfg = read_config(config_dir) if config_dir else layout.derived_config
-    tied = None
-    for c in (cfg or {}, (cfg or {}).get("text_config") or {}):
-        if isinstance(c, dict) and "tie_word_embeddings" in c:
-            tied = bool(c["tie_word_embeddings"])
-            break
+    tied = _tie_in(read_config(config_dir) if config_dir else layout.derived_config)
     question = {"config_dir": config_dir,
                 "config_fields": None if config_dir else layout.derived_config,
                 "trust_remote_code": bool(options.trust_remote_code),
