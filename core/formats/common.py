@@ -196,17 +196,17 @@ def same_data_groups(files: dict) -> list[list]:
     tensor data is byte for byte the same: every storage record (``<archive>/data/<n>``) of
     equal CRC-32 and size in the zip directories, read without the data. Two ranks' files of
     one save that each hold their own slices never agree on all of them: a group is a file
-    copied under another rank's name. Files that cannot be read as zips are left out."""
-    import zipfile
+    copied under another rank's name. Files that cannot be read as zips are left out. The
+    records come from :func:`core.integrity.storage_crcs` (the merge's own directory reader,
+    which recognises the directories of one run's files from each other)."""
+    from ..integrity import storage_crcs
+    from .torchsave import DirectoryCache
 
+    directories = DirectoryCache()
     by_records: dict[tuple, list] = {}
     for key, f in files.items():
-        try:
-            with zipfile.ZipFile(f) as z:
-                records = tuple((i.CRC, i.file_size) for i in z.infolist()
-                                if "/data/" in i.filename)
-        except (OSError, zipfile.BadZipFile):
-            continue
+        # (size, CRC-32) of each record in the order of the records in the file
+        records = tuple(v for _, v in sorted(storage_crcs(str(f), directories).items()))
         if records:
             by_records.setdefault(records, []).append(key)
     return [sorted(g) for g in by_records.values() if len(g) > 1]
