@@ -504,8 +504,8 @@ def fold_lora(w, a, b, scale: float, out_dtype, kind: str = "linear", magnitude=
 
 def _overflowed_t(x, src: str, y, dst: str) -> int:
     """:func:`~.cast.overflowed` of torch tensors: ``x`` (``src`` elements) and ``y``, its
-    cast to ``dst``; ``x`` is read only when ``y`` holds an Inf."""
-    from .cast import can_overflow, count_inf
+    cast to ``dst`` (``x``'s words are counted only when ``y`` holds an Inf)."""
+    from .cast import can_overflow, overflowed
 
     if not can_overflow(src, dst):
         return 0
@@ -514,8 +514,7 @@ def _overflowed_t(x, src: str, y, dst: str) -> int:
     def words(v):
         return v.contiguous().reshape(-1).view(torch.uint8).numpy()
 
-    n = count_inf(words(y), dst)
-    return n - count_inf(words(x), src) if n else 0
+    return overflowed(words(x), src, words(y), dst)
 
 
 def _row_blocks(t: OutputTensor) -> bool:
